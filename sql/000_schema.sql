@@ -1,0 +1,86 @@
+-- pgbroker: the schema, its roles and the database's search_path.
+--
+-- Files in sql/ are loaded in name order and together hold the current
+-- definition of every pgbroker object.  Alembic revisions in migrations/ are
+-- frozen copies of what each release ran; a test proves both give the same
+-- catalog.
+
+CREATE SCHEMA IF NOT EXISTS pgbroker;
+COMMENT ON SCHEMA pgbroker IS
+    'pgbroker: singleton broker leases, broker state and change fan-out, in PL/pgSQL. See README.md.';
+
+-- Roles are cluster-wide.  Create the three pgbroker roles when they are
+-- missing and remember which ones this installation created, so that a
+-- downgrade drops those and nothing else.
+CREATE TABLE pgbroker.installed_role (
+    rolname name PRIMARY KEY
+);
+COMMENT ON TABLE pgbroker.installed_role IS
+    'Roles created by this pgbroker installation (dropped again by alembic downgrade base). Internal.';
+
+DO $roles$
+DECLARE
+    v_role text;
+BEGIN
+    FOREACH v_role IN ARRAY ARRAY['pgbroker_broker', 'pgbroker_reader', 'pgbroker_admin'] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = v_role) THEN
+            EXECUTE format('CREATE ROLE %I NOLOGIN', v_role);
+            INSERT INTO pgbroker.installed_role (rolname) VALUES (v_role);
+        END IF;
+    END LOOP;
+END
+$roles$;
+
+-- Split a stored search_path value ('"$user", public') into its elements.
+CREATE FUNCTION pgbroker._search_path_elements(p_value text)
+RETURNS text[]
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce(array_agg(CASE WHEN m[1] LIKE '"%' THEN replace(substr(m[1], 2, length(m[1]) - 2), '""', '"')
+                                   ELSE m[1] END ORDER BY n), '{}')
+    FROM regexp_matches(p_value, '("(?:[^"]|"")*"|[^,\s]+)', 'g') WITH ORDINALITY AS t(m, n)
+$$;
+COMMENT ON FUNCTION pgbroker._search_path_elements(text) IS
+    'Internal: the schema names of a search_path setting, unquoted, in order.';
+
+-- Make `SELECT broker_claim()` work unqualified in new sessions: append
+-- pgbroker to the end of this database's default search_path (after the
+-- user's own schemas, so it never hides one of their names).
+-- `p_add => false` removes it again.
+CREATE FUNCTION pgbroker._set_database_search_path(p_add boolean)
+RETURNS text
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_current text;
+    v_elems text[];
+    v_sql text;
+BEGIN
+    SELECT substr(s, length('search_path=') + 1) INTO v_current
+      FROM pg_catalog.pg_db_role_setting d, unnest(d.setconfig) AS s
+     WHERE d.setdatabase = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+       AND d.setrole = 0
+       AND s LIKE 'search_path=%';
+    v_elems := pgbroker._search_path_elements(coalesce(v_current, '"$user", public'));
+    v_elems := array_remove(v_elems, 'pgbroker');
+    IF p_add THEN
+        v_elems := v_elems || 'pgbroker'::text;
+    END IF;
+    IF NOT p_add AND (v_elems = ARRAY['$user', 'public'] OR cardinality(v_elems) = 0) THEN
+        v_sql := format('ALTER DATABASE %I RESET search_path', current_database());
+    ELSE
+        SELECT format('ALTER DATABASE %I SET search_path = %s', current_database(),
+                      string_agg(format('%I', e), ', ' ORDER BY n))
+          INTO v_sql
+          FROM unnest(v_elems) WITH ORDINALITY AS t(e, n);
+    END IF;
+    EXECUTE v_sql;
+    RETURN v_sql;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._set_database_search_path(boolean) IS
+    'Internal: append pgbroker to (true) or remove it from (false) the current database''s default search_path.';
+
+SELECT pgbroker._set_database_search_path(true);
