@@ -1,0 +1,32 @@
+"""pgbroker: PostgreSQL as the coordination layer of a backend broker.
+
+The logic lives in PL/pgSQL in the schema ``pgbroker``; this package applies
+the migrations and wraps the SQL API for Python callers.
+"""
+
+from pgbroker.errors import (
+    InvalidArgument,
+    LeaseHeld,
+    LeaseLost,
+    NotHolder,
+    NotWatchable,
+    PermissionDenied,
+    PgBrokerError,
+    StaleEpoch,
+    UnknownClient,
+)
+from pgbroker.install import migrate
+
+__all__ = [
+    "InvalidArgument",
+    "LeaseHeld",
+    "LeaseLost",
+    "NotHolder",
+    "NotWatchable",
+    "PermissionDenied",
+    "PgBrokerError",
+    "StaleEpoch",
+    "UnknownClient",
+    "migrate",
+]
+__version__ = "0.1.0"

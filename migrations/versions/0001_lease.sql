@@ -1,0 +1,948 @@
+-- pgbroker: the schema, its roles and the database's search_path.
+--
+-- Files in sql/ are loaded in name order and together hold the current
+-- definition of every pgbroker object.  Alembic revisions in migrations/ are
+-- frozen copies of what each release ran; a test proves both give the same
+-- catalog.
+
+CREATE SCHEMA IF NOT EXISTS pgbroker;
+COMMENT ON SCHEMA pgbroker IS
+    'pgbroker: singleton broker leases, broker state and change fan-out, in PL/pgSQL. See README.md.';
+
+-- Roles are cluster-wide.  Create the three pgbroker roles when they are
+-- missing and remember which ones this installation created, so that a
+-- downgrade drops those and nothing else.
+CREATE TABLE pgbroker.installed_role (
+    rolname name PRIMARY KEY
+);
+COMMENT ON TABLE pgbroker.installed_role IS
+    'Roles created by this pgbroker installation (dropped again by alembic downgrade base). Internal.';
+
+DO $roles$
+DECLARE
+    v_role text;
+BEGIN
+    FOREACH v_role IN ARRAY ARRAY['pgbroker_broker', 'pgbroker_reader', 'pgbroker_admin'] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = v_role) THEN
+            EXECUTE format('CREATE ROLE %I NOLOGIN', v_role);
+            INSERT INTO pgbroker.installed_role (rolname) VALUES (v_role);
+        END IF;
+    END LOOP;
+END
+$roles$;
+
+-- Split a stored search_path value ('"$user", public') into its elements.
+CREATE FUNCTION pgbroker._search_path_elements(p_value text)
+RETURNS text[]
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce(array_agg(CASE WHEN m[1] LIKE '"%' THEN replace(substr(m[1], 2, length(m[1]) - 2), '""', '"')
+                                   ELSE m[1] END ORDER BY n), '{}')
+    FROM regexp_matches(p_value, '("(?:[^"]|"")*"|[^,\s]+)', 'g') WITH ORDINALITY AS t(m, n)
+$$;
+COMMENT ON FUNCTION pgbroker._search_path_elements(text) IS
+    'Internal: the schema names of a search_path setting, unquoted, in order.';
+
+-- Make `SELECT broker_claim()` work unqualified in new sessions: append
+-- pgbroker to the end of this database's default search_path (after the
+-- user's own schemas, so it never hides one of their names).
+-- `p_add => false` removes it again.
+CREATE FUNCTION pgbroker._set_database_search_path(p_add boolean)
+RETURNS text
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_current text;
+    v_elems text[];
+    v_sql text;
+BEGIN
+    SELECT substr(s, length('search_path=') + 1) INTO v_current
+      FROM pg_catalog.pg_db_role_setting d, unnest(d.setconfig) AS s
+     WHERE d.setdatabase = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+       AND d.setrole = 0
+       AND s LIKE 'search_path=%';
+    v_elems := pgbroker._search_path_elements(coalesce(v_current, '"$user", public'));
+    v_elems := array_remove(v_elems, 'pgbroker');
+    IF p_add THEN
+        v_elems := v_elems || 'pgbroker'::text;
+    END IF;
+    IF NOT p_add AND (v_elems = ARRAY['$user', 'public'] OR cardinality(v_elems) = 0) THEN
+        v_sql := format('ALTER DATABASE %I RESET search_path', current_database());
+    ELSE
+        SELECT format('ALTER DATABASE %I SET search_path = %s', current_database(),
+                      string_agg(format('%I', e), ', ' ORDER BY n))
+          INTO v_sql
+          FROM unnest(v_elems) WITH ORDINALITY AS t(e, n);
+    END IF;
+    EXECUTE v_sql;
+    RETURN v_sql;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._set_database_search_path(boolean) IS
+    'Internal: append pgbroker to (true) or remove it from (false) the current database''s default search_path.';
+
+SELECT pgbroker._set_database_search_path(true);
+-- pgbroker: the singleton broker lease.
+--
+-- A lease is a named right to be "the" broker.  It is held by a database
+-- session through a session-level advisory lock, so it is freed by the server
+-- the moment that session ends (process killed, connection lost, server
+-- restarted).  The lease row records who holds it and a fencing token, the
+-- epoch, which grows by one with every successful claim and is never reused.
+--
+-- Claims follow their transaction: broker_claim() takes a
+-- transaction-level advisory lock, and a deferred constraint trigger turns it
+-- into a session-level lock when the transaction commits.  A claim that fails,
+-- is cancelled or is rolled back therefore never leaves a lock behind.
+
+-- Advisory locks are keyed (class, key) with two int4 values, which PostgreSQL
+-- never confuses with single-bigint advisory locks.  The class is 'pgbr'.
+CREATE FUNCTION pgbroker._lock_class()
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823602 $$;
+COMMENT ON FUNCTION pgbroker._lock_class() IS
+    'Internal: the first key (0x70676272, ''pgbr'') of every pgbroker advisory lock; the second is lease.lock_key.';
+
+CREATE FUNCTION pgbroker._my_backend_start()
+RETURNS timestamptz
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT backend_start FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) $$;
+COMMENT ON FUNCTION pgbroker._my_backend_start() IS
+    'Internal: when this backend started; with its pid it identifies a session even after pid reuse.';
+
+CREATE TABLE pgbroker.lease (
+    name text PRIMARY KEY,
+    lock_key integer GENERATED ALWAYS AS IDENTITY
+        CONSTRAINT lease_lock_key_unique UNIQUE,
+    epoch bigint NOT NULL DEFAULT 0,
+    state text NOT NULL DEFAULT 'new'
+        CONSTRAINT lease_state_valid CHECK (state IN ('new', 'held', 'released')),
+    holder_pid integer,
+    holder_backend_start timestamptz,
+    holder_user name,
+    holder_application text,
+    holder_address inet,
+    holder_info text,
+    claimed_at timestamptz,
+    heartbeat_at timestamptz,
+    released_at timestamptz,
+    -- Book-keeping for the deferred session-lock trigger (see _lease_sync_session_lock).
+    sync_xid xid8,
+    session_locked boolean NOT NULL DEFAULT false,
+    CONSTRAINT lease_name_valid CHECK (name <> '' AND octet_length(name) <= 63)
+);
+COMMENT ON TABLE pgbroker.lease IS
+    'One row per broker lease name: its current epoch and holder. Internal: read the view pgbroker.brokers.';
+COMMENT ON COLUMN pgbroker.lease.name IS 'Lease name (1 to 63 bytes).';
+COMMENT ON COLUMN pgbroker.lease.lock_key IS 'Second key of the advisory lock (pgbroker._lock_class(), lock_key); unique per name, so names never collide.';
+COMMENT ON COLUMN pgbroker.lease.epoch IS 'Fencing token: incremented by every successful claim, never reused.';
+COMMENT ON COLUMN pgbroker.lease.state IS 'new (never claimed), held (claimed and not released) or released.';
+COMMENT ON COLUMN pgbroker.lease.holder_pid IS 'Backend pid of the session that made the last claim.';
+COMMENT ON COLUMN pgbroker.lease.holder_backend_start IS 'Start time of that backend (guards against pid reuse).';
+COMMENT ON COLUMN pgbroker.lease.holder_user IS 'session_user of the holder.';
+COMMENT ON COLUMN pgbroker.lease.holder_application IS 'application_name of the holder at claim time.';
+COMMENT ON COLUMN pgbroker.lease.holder_address IS 'Client address of the holder (NULL for a Unix-socket connection).';
+COMMENT ON COLUMN pgbroker.lease.holder_info IS 'Free text given by the claimant (broker_claim info =>), for example its hostname.';
+COMMENT ON COLUMN pgbroker.lease.claimed_at IS 'When the current epoch was claimed.';
+COMMENT ON COLUMN pgbroker.lease.heartbeat_at IS 'Last broker_heartbeat() of the holder (claim time until the first one).';
+COMMENT ON COLUMN pgbroker.lease.released_at IS 'When the holder called broker_release(), if it did.';
+COMMENT ON COLUMN pgbroker.lease.sync_xid IS 'Internal: transaction that last changed the holder; see _lease_sync_session_lock().';
+COMMENT ON COLUMN pgbroker.lease.session_locked IS 'Internal: whether the session of that transaction held the session-level lock when it began.';
+
+CREATE TABLE pgbroker.lease_event (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name text NOT NULL,
+    epoch bigint NOT NULL,
+    event text NOT NULL
+        CONSTRAINT lease_event_event_valid CHECK (event IN ('claim', 'takeover', 'stale_takeover', 'release')),
+    at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    pid integer NOT NULL,
+    db_user name NOT NULL,
+    application text,
+    address inet,
+    info text,
+    previous_epoch bigint,
+    previous_pid integer,
+    previous_application text,
+    previous_address inet,
+    previous_heartbeat_at timestamptz,
+    reason text NOT NULL
+);
+CREATE INDEX lease_event_name_epoch ON pgbroker.lease_event (name, epoch);
+COMMENT ON TABLE pgbroker.lease_event IS
+    'History of every claim, takeover and release. Internal: read the view pgbroker.lease_history.';
+COMMENT ON COLUMN pgbroker.lease_event.event IS 'claim, takeover (holder terminated by takeover => true), stale_takeover (holder terminated because its heartbeat was older than stale_after) or release.';
+COMMENT ON COLUMN pgbroker.lease_event.reason IS 'Why: who took over from whom, how old the heartbeat was, whether the previous holder had released or died.';
+
+-- ---------------------------------------------------------------------------
+-- Broker state: a small key/value store per lease, written only by the
+-- holder, wiped by every new claim.
+CREATE TABLE pgbroker.state (
+    name text NOT NULL REFERENCES pgbroker.lease (name) ON DELETE CASCADE,
+    key text NOT NULL,
+    epoch bigint NOT NULL,
+    value jsonb NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    PRIMARY KEY (name, key)
+);
+COMMENT ON TABLE pgbroker.state IS
+    'Key/value state of the current broker of each lease, wiped when a new epoch is claimed. Internal: use broker_state_set() and the view pgbroker.broker_state.';
+
+-- ---------------------------------------------------------------------------
+-- Errors.  Every error a user can hit is raised here or by PostgreSQL with a
+-- documented SQLSTATE (README: "SQLSTATEs").
+
+CREATE FUNCTION pgbroker._check_name(p_name text)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF p_name IS NULL THEN
+        RAISE EXCEPTION 'lease name must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF p_name = '' THEN
+        RAISE EXCEPTION 'lease name must not be empty' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF octet_length(p_name) > 63 THEN
+        RAISE EXCEPTION 'lease name is too long: % bytes, at most 63 allowed', octet_length(p_name)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN p_name;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._check_name(text) IS
+    'Internal: validate a lease name (22004 when NULL, 22023 when empty or over 63 bytes).';
+
+-- Is the session (pid, backend_start) alive and holding the lease's lock?
+CREATE FUNCTION pgbroker._lease_alive(p_pid integer, p_backend_start timestamptz, p_lock_key integer)
+RETURNS boolean
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT p_pid IS NOT NULL
+       AND EXISTS (SELECT FROM pg_catalog.pg_stat_get_activity(p_pid) a
+                    WHERE a.backend_start = p_backend_start)
+       AND EXISTS (SELECT FROM pg_catalog.pg_locks l
+                    WHERE l.locktype = 'advisory'
+                      AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+                      AND l.classid = pgbroker._lock_class()::oid
+                      AND l.objid = p_lock_key::oid
+                      AND l.objsubid = 2
+                      AND l.granted
+                      AND l.pid = p_pid)
+$$;
+COMMENT ON FUNCTION pgbroker._lease_alive(integer, timestamptz, integer) IS
+    'Internal: true when backend p_pid (started at p_backend_start) exists and holds the advisory lock p_lock_key.';
+
+-- The backend that holds the advisory lock of a lease right now, if any.
+CREATE FUNCTION pgbroker._lock_holder_pid(p_lock_key integer)
+RETURNS integer
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT l.pid FROM pg_catalog.pg_locks l
+     WHERE l.locktype = 'advisory'
+       AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+       AND l.classid = pgbroker._lock_class()::oid
+       AND l.objid = p_lock_key::oid
+       AND l.objsubid = 2
+       AND l.granted
+     LIMIT 1
+$$;
+COMMENT ON FUNCTION pgbroker._lock_holder_pid(integer) IS
+    'Internal: pid of the backend holding the advisory lock p_lock_key, or NULL.';
+
+CREATE FUNCTION pgbroker._raise_held(p_name text)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_lease pgbroker.lease;
+    v_pid integer;
+BEGIN
+    SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    v_pid := pgbroker._lock_holder_pid(v_lease.lock_key);
+    IF v_pid IS NOT DISTINCT FROM v_lease.holder_pid AND v_lease.state = 'held' THEN
+        RAISE EXCEPTION 'lease "%" is held by pid % (application "%", address %, epoch %, since %)',
+                p_name, v_pid, coalesce(v_lease.holder_application, ''),
+                coalesce(host(v_lease.holder_address), 'local'), v_lease.epoch, v_lease.claimed_at
+            USING ERRCODE = 'lock_not_available',
+                  DETAIL = format('holder_pid=%s holder_application=%s holder_address=%s holder_info=%s epoch=%s claimed_at=%s heartbeat_at=%s',
+                                  v_pid, v_lease.holder_application, v_lease.holder_address,
+                                  v_lease.holder_info, v_lease.epoch, v_lease.claimed_at, v_lease.heartbeat_at),
+                  HINT = 'Wait for it (wait => interval, or NULL to wait until the holder''s session ends), '
+                         'take over a hung holder (stale_after => interval), or terminate it (takeover => true, pgbroker_admin only).';
+    ELSE
+        -- The lock is held by a session that is not the recorded holder: a claim
+        -- of that session is committing right now, or a stray lock (see README).
+        RAISE EXCEPTION 'lease "%" is locked by pid %, which is not its recorded holder (a claim committing now, or a stray lock)',
+                p_name, v_pid
+            USING ERRCODE = 'lock_not_available',
+                  DETAIL = format('lock_pid=%s recorded holder_pid=%s state=%s epoch=%s',
+                                  v_pid, v_lease.holder_pid, v_lease.state, v_lease.epoch),
+                  HINT = 'Retry, or end that session (takeover => true).';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._raise_held(text) IS
+    'Internal: raise 55P03 lock_not_available naming the session that holds lease p_name.';
+
+-- Convert a wait interval into a lock_timeout value in milliseconds ('0' = forever).
+CREATE FUNCTION pgbroker._wait_ms(p_wait interval)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_ms numeric;
+BEGIN
+    IF p_wait IS NULL THEN
+        RETURN '0';
+    END IF;
+    v_ms := ceil(extract(epoch FROM p_wait) * 1000);
+    IF v_ms < 0 THEN
+        RAISE EXCEPTION 'wait must not be negative: %', p_wait
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Use ''0'' to fail at once, NULL to wait forever.';
+    END IF;
+    IF v_ms > 2147483647 THEN
+        RAISE EXCEPTION 'wait is too long: % (at most 24 days; NULL waits forever)', p_wait
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN greatest(v_ms, 1)::bigint::text;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._wait_ms(interval) IS
+    'Internal: a wait interval as a lock_timeout in ms (NULL gives 0, i.e. no limit); 22023 when negative or over 24 days.';
+
+-- ---------------------------------------------------------------------------
+-- Turning the claim's transaction lock into a session lock, at commit.
+
+-- Record, the first time a transaction changes a lease's holder, whether this
+-- session held the session-level lock when the transaction began.
+CREATE FUNCTION pgbroker._lease_touch(p_lease pgbroker.lease)
+RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN p_lease.sync_xid IS NOT DISTINCT FROM pg_catalog.pg_current_xact_id_if_assigned()
+                THEN p_lease.session_locked
+                ELSE p_lease.state = 'held'
+                     AND p_lease.holder_pid = pg_catalog.pg_backend_pid()
+                     AND p_lease.holder_backend_start = pgbroker._my_backend_start()
+           END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_touch(pgbroker.lease) IS
+    'Internal: whether this session holds the session-level lock of the lease as of the start of the current transaction.';
+
+CREATE FUNCTION pgbroker._lease_sync_session_lock()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_lease pgbroker.lease;
+    v_want boolean;
+BEGIN
+    SELECT * INTO v_lease FROM pgbroker.lease WHERE name = NEW.name;
+    IF NOT FOUND OR v_lease.sync_xid IS DISTINCT FROM pg_current_xact_id() THEN
+        RETURN NULL;
+    END IF;
+    v_want := v_lease.state = 'held'
+              AND v_lease.holder_pid = pg_backend_pid()
+              AND v_lease.holder_backend_start = pgbroker._my_backend_start();
+    IF v_want = v_lease.session_locked THEN
+        RETURN NULL;
+    END IF;
+    IF v_want THEN
+        -- We hold the transaction-level lock, so this succeeds at once.
+        PERFORM pg_advisory_lock(pgbroker._lock_class(), v_lease.lock_key);
+    ELSE
+        PERFORM pg_advisory_unlock(pgbroker._lock_class(), v_lease.lock_key);
+    END IF;
+    UPDATE pgbroker.lease SET session_locked = v_want WHERE name = NEW.name;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_sync_session_lock() IS
+    'Internal deferred trigger: at commit, take (claim) or drop (release) the session-level advisory lock so that it follows the transaction.';
+
+CREATE CONSTRAINT TRIGGER _900_sync_session_lock
+    AFTER UPDATE OF epoch, state ON pgbroker.lease
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION pgbroker._lease_sync_session_lock();
+COMMENT ON TRIGGER _900_sync_session_lock ON pgbroker.lease IS
+    'Takes or drops the session-level advisory lock when the claiming or releasing transaction commits.';
+
+-- Release session-level locks of this backend that no lease row accounts for.
+-- They can only exist if a transaction failed after its commit-time trigger
+-- ran (for example SET CONSTRAINTS ALL IMMEDIATE followed by ROLLBACK).
+CREATE FUNCTION pgbroker._lease_sweep()
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key integer;
+    v_count integer := 0;
+BEGIN
+    FOR v_key IN
+        SELECT l.objid::integer
+          FROM pg_catalog.pg_locks l
+         WHERE l.locktype = 'advisory'
+           AND l.pid = pg_backend_pid()
+           AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+           AND l.classid = pgbroker._lock_class()::oid
+           AND l.objsubid = 2
+           AND l.granted
+           AND NOT EXISTS (
+                   SELECT FROM pgbroker.lease r
+                    WHERE r.lock_key = l.objid::integer
+                      AND (   -- claimed: committed (session lock) or in this transaction (xact lock)
+                              (r.state = 'held' AND r.holder_pid = pg_backend_pid()
+                               AND r.holder_backend_start = pgbroker._my_backend_start())
+                              -- released in this transaction: the session lock goes at commit
+                           OR (r.sync_xid = pg_current_xact_id_if_assigned() AND r.session_locked)))
+    LOOP
+        PERFORM pg_advisory_unlock(pgbroker._lock_class(), v_key);
+        v_count := v_count + 1;
+    END LOOP;
+    RETURN v_count;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_sweep() IS
+    'Internal: release session-level pgbroker locks of this backend that no lease row accounts for (stray locks).';
+
+-- ---------------------------------------------------------------------------
+-- Clearing the state of earlier epochs.  Later areas add their tables here.
+CREATE FUNCTION pgbroker._lease_clear_state(p_name text, p_epoch bigint)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    DELETE FROM pgbroker.state WHERE name = p_name AND epoch < p_epoch;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_clear_state(text, bigint) IS
+    'Internal: delete the broker state of lease p_name left by epochs before p_epoch.';
+
+-- ---------------------------------------------------------------------------
+-- Terminating a holder.
+
+CREATE FUNCTION pgbroker._lease_terminate(p_name text, p_pid integer)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- Wait (up to 5 s) for the backend to exit, so that its lock is gone.
+    RETURN pg_terminate_backend(p_pid, 5000);
+EXCEPTION WHEN insufficient_privilege THEN
+    RAISE EXCEPTION 'cannot terminate pid % holding lease "%": the role that installed pgbroker lacks the right to', p_pid, p_name
+        USING ERRCODE = 'insufficient_privilege',
+              HINT = 'Grant pg_signal_backend to the owner of the pgbroker functions.';
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_terminate(text, integer) IS
+    'Internal: terminate backend p_pid and wait up to 5 s for it to exit.';
+
+-- Privileged takeover: terminate whoever holds the lock.  EXECUTE is granted
+-- to pgbroker_admin only; that grant is the privilege check.
+CREATE FUNCTION pgbroker._lease_takeover(p_name text)
+RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_pid integer;
+BEGIN
+    v_pid := pgbroker._lock_holder_pid((SELECT lock_key FROM pgbroker.lease WHERE name = p_name));
+    IF v_pid IS NOT NULL AND v_pid <> pg_backend_pid() THEN
+        PERFORM pgbroker._lease_terminate(p_name, v_pid);
+    END IF;
+    RETURN v_pid;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_takeover(text) IS
+    'Internal (pgbroker_admin): terminate the backend holding lease p_name; returns its pid.';
+
+-- Stale takeover: terminate the recorded holder only if it still holds the
+-- lock and its last heartbeat is older than p_stale_after.
+CREATE FUNCTION pgbroker._lease_takeover_stale(p_name text, p_stale_after interval)
+RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_lease pgbroker.lease;
+BEGIN
+    SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    IF v_lease.state = 'held'
+       AND v_lease.heartbeat_at < clock_timestamp() - p_stale_after
+       AND v_lease.holder_pid <> pg_backend_pid()
+       AND pgbroker._lease_alive(v_lease.holder_pid, v_lease.holder_backend_start, v_lease.lock_key) THEN
+        PERFORM pgbroker._lease_terminate(p_name, v_lease.holder_pid);
+        RETURN v_lease.holder_pid;
+    END IF;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_takeover_stale(text, interval) IS
+    'Internal: terminate the holder of lease p_name if its heartbeat is older than p_stale_after; returns its pid or NULL.';
+
+-- ---------------------------------------------------------------------------
+-- The claim proper, once the caller's rights have been checked.
+CREATE FUNCTION pgbroker._lease_claim(p_name text, p_wait interval, p_terminated integer, p_stale_after interval, p_info text)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_me integer := pg_backend_pid();
+    v_me_start timestamptz := pgbroker._my_backend_start();
+    v_lease pgbroker.lease;
+    v_prev pgbroker.lease;
+    v_got boolean := false;
+    v_old_timeout text;
+    v_killed integer := p_terminated;
+    v_event text := CASE WHEN p_terminated IS NULL THEN 'claim' ELSE 'takeover' END;
+    v_reason text;
+    v_locked_before boolean;
+BEGIN
+    PERFORM pgbroker._lease_sweep();
+    INSERT INTO pgbroker.lease (name) VALUES (p_name) ON CONFLICT (name) DO NOTHING;
+    SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+
+    -- Already ours (committed, or claimed earlier in this transaction).
+    IF v_lease.state = 'held' AND v_lease.holder_pid = v_me AND v_lease.holder_backend_start = v_me_start THEN
+        RETURN v_lease.epoch;
+    END IF;
+
+    v_got := pg_try_advisory_xact_lock(pgbroker._lock_class(), v_lease.lock_key);
+
+    IF NOT v_got AND v_killed IS NULL AND p_stale_after IS NOT NULL THEN
+        v_killed := pgbroker._lease_takeover_stale(p_name, p_stale_after);
+        IF v_killed IS NOT NULL THEN
+            v_event := 'stale_takeover';
+        END IF;
+    END IF;
+
+    IF NOT v_got AND (p_wait IS DISTINCT FROM '0'::interval OR v_killed IS NOT NULL) THEN
+        v_old_timeout := current_setting('lock_timeout');
+        BEGIN
+            -- After a termination the old holder's lock is about to go: wait
+            -- for it even if the caller asked not to wait.
+            PERFORM set_config('lock_timeout',
+                               CASE WHEN v_killed IS NOT NULL AND p_wait IS NOT NULL AND p_wait < '5 s'
+                                    THEN '5000' ELSE pgbroker._wait_ms(p_wait) END,
+                               true);
+            PERFORM pg_advisory_xact_lock(pgbroker._lock_class(), v_lease.lock_key);
+            PERFORM set_config('lock_timeout', v_old_timeout, true);
+            v_got := true;
+        EXCEPTION WHEN lock_not_available THEN
+            v_got := false;
+        END;
+    END IF;
+
+    IF NOT v_got THEN
+        PERFORM pgbroker._raise_held(p_name);
+    END IF;
+
+    -- FOR UPDATE conflicts with broker_assert()'s FOR KEY SHARE: a fenced
+    -- transaction that asserted the old epoch commits before the new one exists.
+    SELECT * INTO v_prev FROM pgbroker.lease WHERE name = p_name FOR UPDATE;
+    v_locked_before := pgbroker._lease_touch(v_prev);
+
+    v_reason := CASE
+        WHEN v_event = 'takeover' THEN format('takeover by %s: terminated pid %s (epoch %s)', session_user, v_killed, v_prev.epoch)
+        WHEN v_event = 'stale_takeover' THEN format('heartbeat of pid %s (epoch %s) was %s old, stale_after %s: terminated',
+                                                  v_killed, v_prev.epoch, clock_timestamp() - v_prev.heartbeat_at, p_stale_after)
+        WHEN v_prev.state = 'new' THEN 'first claim'
+        WHEN v_prev.state = 'released' THEN format('epoch %s was released', v_prev.epoch)
+        ELSE format('session of pid %s (epoch %s) ended', v_prev.holder_pid, v_prev.epoch)
+    END;
+
+    UPDATE pgbroker.lease
+       SET epoch = v_prev.epoch + 1,
+           state = 'held',
+           holder_pid = v_me,
+           holder_backend_start = v_me_start,
+           holder_user = session_user,
+           holder_application = current_setting('application_name'),
+           holder_address = inet_client_addr(),
+           holder_info = p_info,
+           claimed_at = clock_timestamp(),
+           heartbeat_at = clock_timestamp(),
+           released_at = NULL,
+           sync_xid = pg_current_xact_id(),
+           session_locked = v_locked_before
+     WHERE name = p_name
+    RETURNING * INTO v_lease;
+
+    INSERT INTO pgbroker.lease_event
+           (name, epoch, event, pid, db_user, application, address, info,
+            previous_epoch, previous_pid, previous_application, previous_address, previous_heartbeat_at, reason)
+    VALUES (p_name, v_lease.epoch, v_event, v_me, session_user, v_lease.holder_application, v_lease.holder_address, p_info,
+            nullif(v_prev.epoch, 0), v_prev.holder_pid, v_prev.holder_application, v_prev.holder_address,
+            v_prev.heartbeat_at, v_reason);
+
+    PERFORM pgbroker._lease_clear_state(p_name, v_lease.epoch);
+    RETURN v_lease.epoch;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_claim(text, interval, integer, interval, text) IS
+    'Internal: body of broker_claim() after argument checks and any privileged takeover (p_terminated: pid it terminated).';
+
+-- ---------------------------------------------------------------------------
+-- Public API.
+
+CREATE FUNCTION pgbroker.broker_claim(
+    name text DEFAULT 'default',
+    wait interval DEFAULT '0',
+    takeover boolean DEFAULT false,
+    stale_after interval DEFAULT NULL,
+    info text DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(broker_claim.name);
+    v_terminated integer;
+BEGIN
+    PERFORM pgbroker._wait_ms(broker_claim.wait);
+    IF broker_claim.takeover IS NULL THEN
+        RAISE EXCEPTION 'takeover must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF broker_claim.stale_after IS NOT NULL AND broker_claim.stale_after <= '0'::interval THEN
+        RAISE EXCEPTION 'stale_after must be positive: %', broker_claim.stale_after
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF broker_claim.takeover AND NOT has_function_privilege('pgbroker._lease_takeover(text)', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied to take over lease "%": role % is not a member of pgbroker_admin', v_name, current_user
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'Use stale_after => interval to take over a holder whose heartbeat stopped, or ask an administrator.';
+    END IF;
+    IF broker_claim.takeover THEN
+        -- Runs with the caller's rights: EXECUTE on it is pgbroker_admin's alone.
+        v_terminated := pgbroker._lease_takeover(v_name);
+    END IF;
+    RETURN pgbroker._lease_claim(v_name, broker_claim.wait, v_terminated,
+                                 broker_claim.stale_after, broker_claim.info);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_claim(text, interval, boolean, interval, text) IS
+$$Claim the broker lease NAME for this session and return its new epoch (the fencing token).
+wait: '0' fails at once with 55P03 if another session holds it; an interval blocks up to that long; NULL blocks until the holder's session ends.
+takeover => true (pgbroker_admin only, else 42501): terminate the holder, then claim.
+stale_after: terminate a holder whose last broker_heartbeat() is older than this, then claim.
+info: free text recorded with the holder (for example the hostname).
+Also deletes the broker state of earlier epochs. Returns the current epoch when this session already holds the lease.
+The claim follows its transaction: it takes effect at commit and leaves no lock behind on error or rollback.$$;
+
+CREATE FUNCTION pgbroker.broker_release(name text DEFAULT 'default')
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(broker_release.name);
+    v_lease pgbroker.lease;
+    v_locked_before boolean;
+BEGIN
+    SELECT * INTO v_lease FROM pgbroker.lease WHERE lease.name = v_name FOR UPDATE;
+    IF NOT FOUND OR v_lease.state <> 'held' OR v_lease.holder_pid <> pg_backend_pid()
+       OR v_lease.holder_backend_start <> pgbroker._my_backend_start() THEN
+        RETURN false;
+    END IF;
+    v_locked_before := pgbroker._lease_touch(v_lease);
+    UPDATE pgbroker.lease
+       SET state = 'released', released_at = clock_timestamp(),
+           sync_xid = pg_current_xact_id(), session_locked = v_locked_before
+     WHERE lease.name = v_name;
+    INSERT INTO pgbroker.lease_event (name, epoch, event, pid, db_user, application, address, info, reason)
+    VALUES (v_name, v_lease.epoch, 'release', pg_backend_pid(), session_user,
+            current_setting('application_name'), inet_client_addr(), v_lease.holder_info, 'released by its holder');
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_release(text) IS
+$$Release lease NAME held by this session (a clean hand-over): marks the lease released and drops the lock when the transaction commits.
+Returns false, changing nothing, when this session does not hold it.$$;
+
+CREATE FUNCTION pgbroker.broker_heartbeat(name text DEFAULT 'default')
+RETURNS timestamptz
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(broker_heartbeat.name);
+    v_at timestamptz;
+BEGIN
+    UPDATE pgbroker.lease
+       SET heartbeat_at = clock_timestamp()
+     WHERE lease.name = v_name
+       AND state = 'held'
+       AND holder_pid = pg_backend_pid()
+       AND holder_backend_start = pgbroker._my_backend_start()
+    RETURNING heartbeat_at INTO v_at;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'this session does not hold lease "%"', v_name
+            USING ERRCODE = 'PB001', HINT = 'Claim it first with broker_claim().';
+    END IF;
+    RETURN v_at;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_heartbeat(text) IS
+$$Called by the holder's session to show it is not hung; returns the recorded time.
+A claim with stale_after => X may terminate a holder whose last heartbeat is older than X.
+PB001 when this session does not hold the lease.$$;
+
+CREATE FUNCTION pgbroker.broker_assert(name text, epoch bigint)
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(broker_assert.name);
+    v_lease pgbroker.lease;
+BEGIN
+    IF broker_assert.epoch IS NULL THEN
+        RAISE EXCEPTION 'epoch must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- FOR KEY SHARE: heartbeats go on, but a concurrent claim (FOR UPDATE)
+    -- waits for this transaction, or this waits for the claim and sees it.
+    SELECT * INTO v_lease FROM pgbroker.lease WHERE lease.name = v_name FOR KEY SHARE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'lease "%" has never been claimed', v_name USING ERRCODE = 'PB002';
+    END IF;
+    IF v_lease.epoch <> broker_assert.epoch THEN
+        RAISE EXCEPTION 'epoch % of lease "%" is stale: the current epoch is %', broker_assert.epoch, v_name, v_lease.epoch
+            USING ERRCODE = 'PB002', DETAIL = format('holder_pid=%s claimed_at=%s', v_lease.holder_pid, v_lease.claimed_at);
+    END IF;
+    IF v_lease.state <> 'held' THEN
+        RAISE EXCEPTION 'epoch % of lease "%" was released', broker_assert.epoch, v_name USING ERRCODE = 'PB002';
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_stat_get_activity(v_lease.holder_pid) a
+                    WHERE a.backend_start = v_lease.holder_backend_start) THEN
+        RAISE EXCEPTION 'the holder of epoch % of lease "%" (pid %) is gone', broker_assert.epoch, v_name, v_lease.holder_pid
+            USING ERRCODE = 'PB002';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_assert(text, bigint) IS
+$$Fencing check for use inside any transaction: raises PB002 unless EPOCH is the current epoch of lease NAME and its holder's session is alive.
+Holds a key-share lock on the lease row until the transaction ends, so a concurrent claim cannot commit a newer epoch before this transaction does.$$;
+
+-- ---------------------------------------------------------------------------
+-- Broker state API.
+
+CREATE FUNCTION pgbroker._holder_epoch(p_name text)
+RETURNS bigint
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_epoch bigint;
+BEGIN
+    SELECT epoch INTO v_epoch FROM pgbroker.lease
+     WHERE name = pgbroker._check_name(p_name)
+       AND state = 'held'
+       AND holder_pid = pg_backend_pid()
+       AND holder_backend_start = pgbroker._my_backend_start();
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'this session does not hold lease "%"', p_name
+            USING ERRCODE = 'PB001', HINT = 'Only the holder''s session may change broker state.';
+    END IF;
+    RETURN v_epoch;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._holder_epoch(text) IS
+    'Internal: the epoch of lease p_name if this session holds it, else PB001.';
+
+CREATE FUNCTION pgbroker.broker_state_set(name text, key text, value jsonb)
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_epoch bigint := pgbroker._holder_epoch(broker_state_set.name);
+BEGIN
+    IF broker_state_set.key IS NULL OR broker_state_set.value IS NULL THEN
+        RAISE EXCEPTION 'key and value must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    INSERT INTO pgbroker.state AS s (name, key, epoch, value)
+    VALUES (broker_state_set.name, broker_state_set.key, v_epoch, broker_state_set.value)
+    ON CONFLICT ON CONSTRAINT state_pkey
+    DO UPDATE SET value = excluded.value, epoch = excluded.epoch, updated_at = clock_timestamp();
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_state_set(text, text, jsonb) IS
+    'Holder only (PB001 otherwise): set KEY to VALUE in the state of lease NAME. The state is wiped by the next claim.';
+
+CREATE FUNCTION pgbroker.broker_state_delete(name text, key text)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM pgbroker._holder_epoch(broker_state_delete.name);
+    DELETE FROM pgbroker.state s WHERE s.name = broker_state_delete.name AND s.key = broker_state_delete.key;
+    RETURN FOUND;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_state_delete(text, text) IS
+    'Holder only (PB001 otherwise): delete KEY from the state of lease NAME; false when it was not set.';
+
+-- ---------------------------------------------------------------------------
+-- Views for operators and frontends.
+
+CREATE VIEW pgbroker.brokers AS
+SELECT l.name,
+       l.epoch,
+       l.state,
+       l.holder_pid,
+       l.holder_application,
+       l.holder_address,
+       l.holder_user,
+       l.holder_info,
+       l.claimed_at,
+       l.heartbeat_at,
+       pg_catalog.clock_timestamp() - l.heartbeat_at AS heartbeat_age,
+       l.released_at,
+       (l.state = 'held' AND pgbroker._lease_alive(l.holder_pid, l.holder_backend_start, l.lock_key)) AS alive,
+       (SELECT count(*) FROM pg_catalog.pg_locks w
+         WHERE w.locktype = 'advisory' AND NOT w.granted
+           AND w.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+           AND w.classid = pgbroker._lock_class()::oid AND w.objid = l.lock_key::oid AND w.objsubid = 2)::integer AS waiting
+  FROM pgbroker.lease l;
+COMMENT ON VIEW pgbroker.brokers IS 'One row per lease name: its epoch, holder and whether the holder is alive.';
+COMMENT ON COLUMN pgbroker.brokers.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.brokers.epoch IS 'Current epoch (fencing token); 0 before the first claim.';
+COMMENT ON COLUMN pgbroker.brokers.state IS 'new, held or released.';
+COMMENT ON COLUMN pgbroker.brokers.holder_pid IS 'Backend pid of the holder (of the last holder when not alive).';
+COMMENT ON COLUMN pgbroker.brokers.holder_application IS 'application_name of the holder at claim time.';
+COMMENT ON COLUMN pgbroker.brokers.holder_address IS 'Client address of the holder; NULL over a Unix socket.';
+COMMENT ON COLUMN pgbroker.brokers.holder_user IS 'Database user of the holder.';
+COMMENT ON COLUMN pgbroker.brokers.holder_info IS 'Free text the holder gave when claiming (info =>).';
+COMMENT ON COLUMN pgbroker.brokers.claimed_at IS 'When the current epoch was claimed.';
+COMMENT ON COLUMN pgbroker.brokers.heartbeat_at IS 'Last heartbeat of the holder.';
+COMMENT ON COLUMN pgbroker.brokers.heartbeat_age IS 'How long ago that was.';
+COMMENT ON COLUMN pgbroker.brokers.released_at IS 'When the holder released the lease, if it did.';
+COMMENT ON COLUMN pgbroker.brokers.alive IS 'True when the recorded holder''s backend exists and holds the lock.';
+COMMENT ON COLUMN pgbroker.brokers.waiting IS 'Number of sessions blocked in broker_claim() for this lease.';
+
+CREATE VIEW pgbroker.lease_history AS
+SELECT id, name, epoch, event, at, pid, db_user, application, address, info,
+       previous_epoch, previous_pid, previous_application, previous_address, previous_heartbeat_at, reason
+  FROM pgbroker.lease_event;
+COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover and release, oldest first by id: who took the lease from whom, when and why.';
+COMMENT ON COLUMN pgbroker.lease_history.id IS 'Increasing event number.';
+COMMENT ON COLUMN pgbroker.lease_history.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.lease_history.epoch IS 'Epoch claimed or released.';
+COMMENT ON COLUMN pgbroker.lease_history.event IS 'claim, takeover, stale_takeover or release.';
+COMMENT ON COLUMN pgbroker.lease_history.at IS 'When it happened (clock time inside the claiming transaction).';
+COMMENT ON COLUMN pgbroker.lease_history.pid IS 'Backend pid of the session that acted.';
+COMMENT ON COLUMN pgbroker.lease_history.db_user IS 'Database user (session_user) that acted.';
+COMMENT ON COLUMN pgbroker.lease_history.application IS 'Its application_name.';
+COMMENT ON COLUMN pgbroker.lease_history.address IS 'Its client address.';
+COMMENT ON COLUMN pgbroker.lease_history.info IS 'The info text given to broker_claim().';
+COMMENT ON COLUMN pgbroker.lease_history.previous_epoch IS 'For a claim: the epoch it replaced.';
+COMMENT ON COLUMN pgbroker.lease_history.previous_pid IS 'For a claim: the previous holder''s pid.';
+COMMENT ON COLUMN pgbroker.lease_history.previous_application IS 'For a claim: the previous holder''s application_name.';
+COMMENT ON COLUMN pgbroker.lease_history.previous_address IS 'For a claim: the previous holder''s address.';
+COMMENT ON COLUMN pgbroker.lease_history.previous_heartbeat_at IS 'For a claim: the previous holder''s last heartbeat.';
+COMMENT ON COLUMN pgbroker.lease_history.reason IS 'Why, in words.';
+
+CREATE VIEW pgbroker.broker_state AS
+SELECT s.name, s.epoch, s.key, s.value, s.updated_at
+  FROM pgbroker.state s
+  JOIN pgbroker.lease l ON l.name = s.name AND l.epoch = s.epoch;
+COMMENT ON VIEW pgbroker.broker_state IS 'Key/value state published by the current broker of each lease.';
+COMMENT ON COLUMN pgbroker.broker_state.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.broker_state.epoch IS 'Epoch of the broker that wrote it.';
+COMMENT ON COLUMN pgbroker.broker_state.key IS 'Key.';
+COMMENT ON COLUMN pgbroker.broker_state.value IS 'Value.';
+COMMENT ON COLUMN pgbroker.broker_state.updated_at IS 'When it was last set.';
+
+CREATE FUNCTION pgbroker.lease_history_prune(older_than interval DEFAULT '30 days')
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_count bigint;
+BEGIN
+    IF older_than IS NULL OR older_than < '0'::interval THEN
+        RAISE EXCEPTION 'older_than must be a non-negative interval' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    DELETE FROM pgbroker.lease_event WHERE at < clock_timestamp() - older_than;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.lease_history_prune(interval) IS
+    'pgbroker_admin: delete lease history events older than OLDER_THAN; returns how many.';
+-- pgbroker: who may do what, in one place.
+--
+-- PUBLIC gets nothing.  Three NOLOGIN roles (created in 000_schema.sql) are
+-- granted to the user's own login roles:
+--   pgbroker_reader  SELECT on the views, nothing else
+--   pgbroker_broker  claim, release, heartbeat, assert, broker state
+--   pgbroker_admin   everything, including takeover => true
+-- Tables are never granted: the functions (SECURITY DEFINER, search_path
+-- pinned) and the views are the interface.
+
+REVOKE ALL ON SCHEMA pgbroker FROM PUBLIC;
+REVOKE ALL ON ALL TABLES IN SCHEMA pgbroker FROM PUBLIC;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA pgbroker FROM PUBLIC;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgbroker FROM PUBLIC;
+ALTER DEFAULT PRIVILEGES IN SCHEMA pgbroker REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
+
+GRANT pgbroker_broker, pgbroker_reader TO pgbroker_admin;
+GRANT USAGE ON SCHEMA pgbroker TO pgbroker_broker, pgbroker_reader, pgbroker_admin;
+
+-- Readers: the views (and the helper the brokers view calls).
+GRANT SELECT ON pgbroker.brokers, pgbroker.lease_history, pgbroker.broker_state TO pgbroker_reader;
+GRANT EXECUTE ON FUNCTION
+    pgbroker._lease_alive(integer, timestamptz, integer),
+    pgbroker._lock_class()
+TO pgbroker_reader;
+
+-- Brokers: the lease and broker-state API.
+GRANT EXECUTE ON FUNCTION
+    pgbroker.broker_claim(text, interval, boolean, interval, text),
+    pgbroker.broker_release(text),
+    pgbroker.broker_heartbeat(text),
+    pgbroker.broker_assert(text, bigint),
+    pgbroker.broker_state_set(text, text, jsonb),
+    pgbroker.broker_state_delete(text, text),
+    pgbroker._lease_claim(text, interval, integer, interval, text),
+    pgbroker._check_name(text),
+    pgbroker._wait_ms(interval),
+    pgbroker._lock_class()
+TO pgbroker_broker;
+
+-- Admins: takeover and housekeeping.
+GRANT EXECUTE ON FUNCTION
+    pgbroker._lease_takeover(text),
+    pgbroker.lease_history_prune(interval)
+TO pgbroker_admin;

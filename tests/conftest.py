@@ -1,0 +1,131 @@
+"""Fixtures: one throwaway PostgreSQL per test session, a migrated template
+database, and a fresh clone of it per test.
+
+The server is started by :mod:`pgbroker._embedded` (pytest-postgresql's
+executor; as an unprivileged OS user when we run as root).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator
+
+import psycopg
+import pytest
+
+from pgbroker import install
+from pgbroker._embedded import EmbeddedPostgres
+
+TEMPLATE = "pgbroker_tmpl"
+_counter = itertools.count()
+
+# Login roles for privilege tests: name -> pgbroker role granted (None: nothing).
+TEST_ROLES = {
+    "t_reader": "pgbroker_reader",
+    "t_broker": "pgbroker_broker",
+    "t_admin": "pgbroker_admin",
+    "t_none": None,
+}
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[EmbeddedPostgres]:
+    server = EmbeddedPostgres(postgres_options=os.environ.get("PGBROKER_TEST_PG_OPTIONS", ""))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def admin_execute(server: EmbeddedPostgres, *statements: str) -> None:
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: EmbeddedPostgres) -> str:
+    """A database migrated with ``alembic upgrade heads``; tests get clones of it."""
+    admin_execute(pg_server, f"CREATE DATABASE {TEMPLATE}")
+    url = pg_server.url_for(TEMPLATE)
+    install.migrate(url)
+    statements = []
+    for role, granted in TEST_ROLES.items():
+        statements.append(f"CREATE ROLE {role} LOGIN")
+        if granted:
+            statements.append(f"GRANT {granted} TO {role}")
+    admin_execute(pg_server, *statements)
+    return url
+
+
+def new_database(server: EmbeddedPostgres, template: str | None = TEMPLATE) -> str:
+    name = f"t{os.getpid()}_{next(_counter)}"
+    clause = f" TEMPLATE {template}" if template else ""
+    admin_execute(server, f"CREATE DATABASE {name}{clause}")
+    if template:
+        # Database settings are not copied by CREATE DATABASE ... TEMPLATE.
+        admin_execute(server, f'ALTER DATABASE {name} SET search_path = "$user", public, pgbroker')
+    return name
+
+
+@pytest.fixture
+def db_name(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[str]:
+    name = new_database(pg_server)
+    try:
+        yield name
+    finally:
+        admin_execute(pg_server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def empty_db(pg_server: EmbeddedPostgres) -> Iterator[str]:
+    """A database with nothing installed (for migration tests); yields its URL."""
+    name = new_database(pg_server, template=None)
+    try:
+        yield pg_server.url_for(name)
+    finally:
+        admin_execute(pg_server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def db_url(pg_server: EmbeddedPostgres, db_name: str) -> str:
+    """URL of a fresh migrated database, as the superuser."""
+    return pg_server.url_for(db_name)
+
+
+@pytest.fixture
+def connect(pg_server: EmbeddedPostgres, db_name: str) -> Iterator[Callable[..., psycopg.Connection]]:
+    """Open autocommit connections to the test database; all closed at the end.
+
+    ``connect("A")`` sets application_name A; ``user=`` picks a login role.
+    """
+    opened: list[psycopg.Connection] = []
+
+    def _connect(application: str = "test", *, user: str = "postgres", autocommit: bool = True) -> psycopg.Connection:
+        conn = psycopg.connect(
+            pg_server.url_for(db_name, user=user), autocommit=autocommit, application_name=application
+        )
+        opened.append(conn)
+        return conn
+
+    try:
+        yield _connect
+    finally:
+        for conn in opened:
+            conn.close()
+
+
+def advisory_locks(conn: psycopg.Connection, pid: int | None = None) -> list[tuple]:
+    """pgbroker advisory locks in this database (of one backend when pid is given)."""
+    rows = conn.execute(
+        """
+        SELECT pid, objid::integer, granted FROM pg_locks
+         WHERE locktype = 'advisory' AND classid = pgbroker._lock_class()::oid AND objsubid = 2
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND (%(pid)s::integer IS NULL OR pid = %(pid)s::integer)
+        """,
+        {"pid": pid},
+    ).fetchall()
+    return rows
