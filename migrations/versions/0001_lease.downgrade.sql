@@ -37,7 +37,7 @@ DO $roles$
 DECLARE
     v_role name;
 BEGIN
-    FOR v_role IN SELECT rolname FROM pgbroker.installed_role ORDER BY rolname LOOP
+    FOR v_role IN SELECT object FROM pgbroker.installed WHERE kind = 'role' ORDER BY object LOOP
         BEGIN
             EXECUTE format('DROP ROLE %I', v_role);
         EXCEPTION WHEN dependent_objects_still_exist THEN
@@ -46,7 +46,7 @@ BEGIN
     END LOOP;
 END
 $roles$;
-DROP TABLE pgbroker.installed_role;
+DROP TABLE pgbroker.installed;
 DROP FUNCTION pgbroker._set_database_search_path(boolean), pgbroker._search_path_elements(text);
 
 -- Outside pgbroker's own alembic environment (which drops the schema after

@@ -12,11 +12,17 @@ COMMENT ON SCHEMA pgbroker IS
 -- Roles are cluster-wide.  Create the three pgbroker roles when they are
 -- missing and remember which ones this installation created, so that a
 -- downgrade drops those and nothing else.
-CREATE TABLE pgbroker.installed_role (
-    rolname name PRIMARY KEY
+CREATE TABLE pgbroker.installed (
+    kind text NOT NULL CONSTRAINT installed_kind_valid CHECK (kind IN ('role', 'schema', 'table')),
+    object text NOT NULL,
+    installed_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    PRIMARY KEY (kind, object)
 );
-COMMENT ON TABLE pgbroker.installed_role IS
-    'Roles created by this pgbroker installation (dropped again by alembic downgrade base). Internal.';
+COMMENT ON TABLE pgbroker.installed IS
+    'Objects outside schema pgbroker that this installation created (roles, initech.objects), so that a downgrade drops those and nothing else. Internal.';
+COMMENT ON COLUMN pgbroker.installed.kind IS 'role, schema or table.';
+COMMENT ON COLUMN pgbroker.installed.object IS 'Its name (qualified for a table).';
+COMMENT ON COLUMN pgbroker.installed.installed_at IS 'When it was created.';
 
 DO $roles$
 DECLARE
@@ -25,7 +31,7 @@ BEGIN
     FOREACH v_role IN ARRAY ARRAY['pgbroker_broker', 'pgbroker_reader', 'pgbroker_admin'] LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = v_role) THEN
             EXECUTE format('CREATE ROLE %I NOLOGIN', v_role);
-            INSERT INTO pgbroker.installed_role (rolname) VALUES (v_role);
+            INSERT INTO pgbroker.installed (kind, object) VALUES ('role', v_role);
         END IF;
     END LOOP;
 END

@@ -1,0 +1,954 @@
+-- pgbroker: the client registry.
+--
+-- The broker records the clients connected to it, so a frontend can list
+-- them (view pgbroker.clients) and triggers can work out who must hear about
+-- a change.  Only the current holder of the lease may change its clients:
+-- either from its own session, or from any session that passes the holder's
+-- current epoch (checked like broker_assert()).  A new claim wipes the clients
+-- of earlier epochs (pgbroker._lease_clear_state).
+
+CREATE TABLE pgbroker.client (
+    client_key bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name text NOT NULL REFERENCES pgbroker.lease (name) ON DELETE CASCADE,
+    epoch bigint NOT NULL,
+    client_id text NOT NULL,
+    info jsonb NOT NULL DEFAULT '{}',
+    registered_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    CONSTRAINT client_id_unique UNIQUE (name, client_id),
+    CONSTRAINT client_id_valid CHECK (client_id <> '' AND octet_length(client_id) <= 200)
+);
+CREATE INDEX client_name_epoch ON pgbroker.client (name, epoch);
+COMMENT ON TABLE pgbroker.client IS
+    'Clients registered by the broker of each lease. Internal: use client_register() and the view pgbroker.clients.';
+COMMENT ON COLUMN pgbroker.client.client_key IS 'Internal number of the client; outbox target lists hold these.';
+COMMENT ON COLUMN pgbroker.client.name IS 'Lease name of the broker the client is connected to.';
+COMMENT ON COLUMN pgbroker.client.epoch IS 'Epoch of the broker that registered it; a new claim deletes clients of earlier epochs.';
+COMMENT ON COLUMN pgbroker.client.client_id IS 'Identifier given by the broker (1 to 200 bytes), unique per broker.';
+COMMENT ON COLUMN pgbroker.client.info IS 'What the broker knows of the client (address, version...).';
+COMMENT ON COLUMN pgbroker.client.registered_at IS 'When it was registered.';
+COMMENT ON COLUMN pgbroker.client.updated_at IS 'When its info last changed.';
+
+-- The epoch on whose behalf the caller acts: its own lease when p_epoch is
+-- NULL (PB001 unless this session holds it), else p_epoch once checked like
+-- broker_assert() (PB002 unless current and alive).
+CREATE FUNCTION pgbroker._acting_epoch(p_name text, p_epoch bigint)
+RETURNS bigint
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF p_epoch IS NULL THEN
+        RETURN pgbroker._holder_epoch(p_name);
+    END IF;
+    PERFORM pgbroker.broker_assert(p_name, p_epoch);
+    RETURN p_epoch;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._acting_epoch(text, bigint) IS
+    'Internal: the epoch the caller acts for: its own lease (p_epoch NULL) or p_epoch after a broker_assert().';
+
+CREATE FUNCTION pgbroker._client_key(p_name text, p_client_id text)
+RETURNS bigint
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key bigint;
+BEGIN
+    SELECT client_key INTO v_key FROM pgbroker.client WHERE name = p_name AND client_id = p_client_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'client "%" is not registered with broker "%"', p_client_id, p_name
+            USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register().';
+    END IF;
+    RETURN v_key;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._client_key(text, text) IS
+    'Internal: the client_key of a registered client, PB010 when unknown.';
+
+CREATE FUNCTION pgbroker.client_register(client_id text, info jsonb DEFAULT '{}', name text DEFAULT 'default', epoch bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(client_register.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_register.epoch);
+    v_inserted boolean;
+BEGIN
+    IF client_register.client_id IS NULL THEN
+        RAISE EXCEPTION 'client_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF client_register.client_id = '' OR octet_length(client_register.client_id) > 200 THEN
+        RAISE EXCEPTION 'client_id must be 1 to 200 bytes long, got % bytes', octet_length(client_register.client_id)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO pgbroker.client AS c (name, epoch, client_id, info)
+    VALUES (v_name, v_epoch, client_register.client_id, coalesce(client_register.info, '{}'))
+    ON CONFLICT ON CONSTRAINT client_id_unique
+    DO UPDATE SET info = excluded.info, updated_at = clock_timestamp()
+    RETURNING (xmax = 0) INTO v_inserted;
+    RETURN v_inserted;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.client_register(text, jsonb, text, bigint) IS
+$$Broker only: register client CLIENT_ID (1 to 200 bytes) with INFO (address, version...) for lease NAME.
+Call it from the holder's session, or from another session passing the holder's current EPOCH.
+Returns true when the client is new, false when it was registered already (its info is then replaced).$$;
+
+CREATE FUNCTION pgbroker.client_update(client_id text, info jsonb, name text DEFAULT 'default', epoch bigint DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(client_update.name);
+    v_key bigint;
+BEGIN
+    PERFORM pgbroker._acting_epoch(v_name, client_update.epoch);
+    v_key := pgbroker._client_key(v_name, client_update.client_id);
+    UPDATE pgbroker.client SET info = coalesce(client_update.info, '{}'), updated_at = clock_timestamp()
+     WHERE client_key = v_key;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.client_update(text, jsonb, text, bigint) IS
+    'Broker only: replace the info of registered client CLIENT_ID (PB010 when unknown).';
+
+CREATE FUNCTION pgbroker.client_unregister(client_id text, name text DEFAULT 'default', epoch bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(client_unregister.name);
+    v_key bigint;
+BEGIN
+    PERFORM pgbroker._acting_epoch(v_name, client_unregister.epoch);
+    SELECT client_key INTO v_key FROM pgbroker.client c
+     WHERE c.name = v_name AND c.client_id = client_unregister.client_id;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM pgbroker._interest_remove(v_key, NULL, NULL);
+    DELETE FROM pgbroker.client WHERE client_key = v_key;
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.client_unregister(text, text, bigint) IS
+    'Broker only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';
+-- pgbroker: watched tables, subscriptions and the outbox.
+--
+-- pgbroker.watch(table) installs three statement-level triggers with
+-- transition tables (INSERT, UPDATE, DELETE) and a TRUNCATE trigger on a table
+-- with a primary key.  For each changed row they look the row's key up in
+-- pgbroker.interest (the subscribed clients, kept ready per row and broker)
+-- and write one outbox row per change and broker, carrying the list of target
+-- clients.  After the statement they wake the affected brokers with
+-- pg_notify, unless the broker is awake and draining (see "Wake-ups" below).
+--
+-- Keys are encoded as jsonb: a one-column key as its JSON scalar
+-- (to_jsonb(id): 42, "abc"), a composite key as a JSON array in key-column
+-- order ([7, "eu"]).  A whole-table subscription has the key JSON null.
+
+CREATE TABLE pgbroker.watched (
+    watch_id integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    relid oid NOT NULL CONSTRAINT watched_relid_unique UNIQUE,
+    table_name text NOT NULL,
+    key_columns text[] NOT NULL,
+    key_types regtype[] NOT NULL,
+    watched_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    -- Bumped by every subscribe: REPEATABLE READ writers check it (see _watch_enter).
+    generation bigint NOT NULL DEFAULT 0
+);
+COMMENT ON TABLE pgbroker.watched IS 'Tables watched by pgbroker.watch(). Internal: read the view pgbroker.watched_tables.';
+COMMENT ON COLUMN pgbroker.watched.watch_id IS 'Internal number of the watch; also names its trigger functions (pgbroker._watch_<id>_ins ...).';
+COMMENT ON COLUMN pgbroker.watched.relid IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.watched.table_name IS 'Its qualified name when it was watched.';
+COMMENT ON COLUMN pgbroker.watched.key_columns IS 'Primary-key columns, in key order.';
+COMMENT ON COLUMN pgbroker.watched.key_types IS 'Their types.';
+COMMENT ON COLUMN pgbroker.watched.watched_at IS 'When watch() last installed the triggers.';
+COMMENT ON COLUMN pgbroker.watched.generation IS 'Internal: bumped by every subscribe, so that REPEATABLE READ writers notice subscriptions newer than their snapshot.';
+
+CREATE TABLE pgbroker.subscription (
+    client_key bigint NOT NULL REFERENCES pgbroker.client (client_key) ON DELETE CASCADE,
+    watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
+    row_key jsonb NOT NULL,
+    subscribed_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    PRIMARY KEY (client_key, watch_id, row_key)
+);
+CREATE INDEX subscription_watch ON pgbroker.subscription (watch_id);
+COMMENT ON TABLE pgbroker.subscription IS 'Which client is subscribed to which row (or, with key JSON null, to the whole table). Internal: use subscribe().';
+COMMENT ON COLUMN pgbroker.subscription.client_key IS 'The client.';
+COMMENT ON COLUMN pgbroker.subscription.watch_id IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.subscription.row_key IS 'The row''s key encoded as jsonb (see README), or JSON null for the whole table.';
+COMMENT ON COLUMN pgbroker.subscription.subscribed_at IS 'When.';
+
+-- The subscriptions aggregated per (table, key, broker): what the triggers
+-- read.  One index probe per changed row, whatever the number of clients.
+CREATE TABLE pgbroker.interest (
+    watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
+    row_key jsonb NOT NULL,
+    name text NOT NULL,
+    epoch bigint NOT NULL,
+    clients bigint[] NOT NULL,
+    PRIMARY KEY (watch_id, row_key, name)
+);
+CREATE INDEX interest_name ON pgbroker.interest (name);
+COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_keys per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
+COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
+COMMENT ON COLUMN pgbroker.interest.name IS 'The broker (lease name) of these clients.';
+COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch.';
+COMMENT ON COLUMN pgbroker.interest.clients IS 'client_keys of the subscribed clients.';
+
+-- UNLOGGED: no WAL for the hot path.  Crash recovery empties it, and a
+-- promoted standby has it empty; both end every broker session, so the next
+-- claim starts a new epoch whose clients re-subscribe and re-read.
+CREATE UNLOGGED TABLE pgbroker.outbox (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name text NOT NULL,
+    epoch bigint NOT NULL,
+    watch_id integer NOT NULL,
+    op "char" NOT NULL,
+    row_key jsonb,
+    changed text[],
+    clients bigint[] NOT NULL,
+    at timestamptz NOT NULL DEFAULT pg_catalog.statement_timestamp()
+);
+CREATE INDEX outbox_name_id ON pgbroker.outbox (name, id);
+COMMENT ON TABLE pgbroker.outbox IS
+    'Notification targets written by the watch triggers: one row per changed row and broker. UNLOGGED (see README). Internal: use outbox_fetch() / outbox_ack().';
+COMMENT ON COLUMN pgbroker.outbox.id IS 'Increasing; for one row of a watched table, in commit order.';
+COMMENT ON COLUMN pgbroker.outbox.name IS 'Broker (lease name) to deliver to.';
+COMMENT ON COLUMN pgbroker.outbox.epoch IS 'Epoch of that broker when the change was written.';
+COMMENT ON COLUMN pgbroker.outbox.watch_id IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.outbox.op IS 'I insert, U update, D delete, T truncate.';
+COMMENT ON COLUMN pgbroker.outbox.row_key IS 'Key of the changed row (NULL for T).';
+COMMENT ON COLUMN pgbroker.outbox.changed IS 'For U: the names of the columns whose value changed; NULL otherwise.';
+COMMENT ON COLUMN pgbroker.outbox.clients IS 'client_keys of the clients to tell.';
+COMMENT ON COLUMN pgbroker.outbox.at IS 'Start of the statement that made the change.';
+
+-- ---------------------------------------------------------------------------
+-- Lock classes (first key of two-int4 advisory locks; second: see each).
+CREATE FUNCTION pgbroker._lock_class_watch()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823603 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_watch() IS
+    'Internal: ''pgbs''; (class, watch_id) is taken shared by writers'' triggers and exclusively by subscribe.';
+
+CREATE FUNCTION pgbroker._lock_class_drain()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823607 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_drain() IS
+    'Internal: ''pgbw''; (class, lease lock_key) is taken shared by writers that wake a broker and exclusively by broker_sleep().';
+
+CREATE FUNCTION pgbroker._lock_class_awake()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823585 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_awake() IS
+    'Internal: ''pgba''; (class, lease lock_key) is held (session level) by a broker while it is awake and draining.';
+
+-- ---------------------------------------------------------------------------
+-- Keys.
+
+CREATE FUNCTION pgbroker._watch_of(p_table regclass)
+RETURNS pgbroker.watched
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_watch pgbroker.watched;
+BEGIN
+    IF p_table IS NULL THEN
+        RAISE EXCEPTION 'table must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT * INTO v_watch FROM pgbroker.watched WHERE relid = p_table;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'table % is not watched', p_table
+            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it first.';
+    END IF;
+    RETURN v_watch;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_of(regclass) IS 'Internal: the watched row of a table, PB021 when it is not watched.';
+
+-- Normalise a key given by a caller: a scalar for a one-column key, an array
+-- for a composite one; each value cast to its column's type (so '"42"' and
+-- '42' are the same key of an integer column).  22023 on a wrong shape,
+-- 22P02 and friends on a value that does not cast.
+CREATE FUNCTION pgbroker._encode_key(p_watch pgbroker.watched, p_key jsonb)
+RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_n integer := cardinality(p_watch.key_columns);
+    v_parts jsonb := CASE WHEN v_n = 1 THEN jsonb_build_array(p_key) ELSE p_key END;
+    v_sql text;
+    v_out jsonb;
+BEGIN
+    IF p_key IS NULL OR jsonb_typeof(p_key) = 'null' THEN
+        RETURN 'null'::jsonb;
+    END IF;
+    IF jsonb_typeof(v_parts) <> 'array' OR jsonb_array_length(v_parts) <> v_n
+       OR EXISTS (SELECT FROM jsonb_array_elements(v_parts) e WHERE jsonb_typeof(e) IN ('null', 'object', 'array')) THEN
+        RAISE EXCEPTION 'key % does not match the primary key (%) of %', p_key,
+                array_to_string(p_watch.key_columns, ', '), p_watch.table_name
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give a JSON scalar for a one-column key, a JSON array of scalars in key order for a composite one.';
+    END IF;
+    SELECT format('SELECT %s', CASE WHEN v_n = 1 THEN format('to_jsonb(($1->>0)::%s)', min(t)) ELSE
+               format('jsonb_build_array(%s)', string_agg(format('($1->>%s)::%s', i - 1, t), ', ' ORDER BY i)) END)
+      INTO v_sql
+      FROM unnest(p_watch.key_types::text[]) WITH ORDINALITY AS u(t, i);
+    EXECUTE v_sql INTO v_out USING v_parts;
+    RETURN v_out;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._encode_key(pgbroker.watched, jsonb) IS
+    'Internal: the canonical jsonb encoding of a key of the watched table (22023 on a wrong shape).';
+
+-- ---------------------------------------------------------------------------
+-- Wake-ups.
+--
+-- A broker that is awake holds the session-level "awake" lock of its lease
+-- and drains the outbox; writers see that and do not NOTIFY (every NOTIFY
+-- serialises commits on a cluster-wide lock).  To go to sleep the broker
+-- releases "awake", then waits for writers that may have seen it awake
+-- (they hold the "drain" lock shared until they commit) and looks at the
+-- outbox once more: a writer either saw it asleep and notifies, or committed
+-- before that last look.  This holds at every isolation level, because the
+-- "awake" test is a lock, not a row a snapshot could hide.
+
+CREATE FUNCTION pgbroker.wakeup_channel(name text DEFAULT 'default')
+RETURNS text
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT 'pgbroker_wakeup_' || lock_key FROM pgbroker.lease WHERE lease.name = wakeup_channel.name
+$$;
+COMMENT ON FUNCTION pgbroker.wakeup_channel(text) IS
+$$The LISTEN channel on which the broker of lease NAME is woken: 'pgbroker_wakeup_' followed by the lease's number
+(never user text, so no quoting or length issue); the payload is the lease name. NULL before the first claim.$$;
+
+CREATE FUNCTION pgbroker._wake(p_names text[])
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text;
+    v_key integer;
+BEGIN
+    FOR v_name, v_key IN SELECT l.name, l.lock_key FROM pgbroker.lease l WHERE l.name = ANY (p_names) LOOP
+        PERFORM pg_advisory_xact_lock_shared(pgbroker._lock_class_drain(), v_key);
+        IF pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), v_key) THEN
+            -- Nobody is awake: wake the broker (NOTIFY folds duplicates within a transaction).
+            PERFORM pg_advisory_unlock_shared(pgbroker._lock_class_awake(), v_key);
+            PERFORM pg_notify('pgbroker_wakeup_' || v_key, v_name);
+        END IF;
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._wake(text[]) IS
+    'Internal (watch triggers): NOTIFY the brokers among p_names that are not awake; hold their drain lock shared until commit.';
+
+CREATE FUNCTION pgbroker._awake_held(p_key integer)
+RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT EXISTS (SELECT FROM pg_catalog.pg_locks l
+                    WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid() AND l.granted
+                      AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+                      AND l.classid = pgbroker._lock_class_awake()::oid AND l.objid = p_key::oid AND l.objsubid = 2
+                      AND l.mode = 'ExclusiveLock')
+$$;
+COMMENT ON FUNCTION pgbroker._awake_held(integer) IS 'Internal: whether this session holds the awake lock p_key.';
+
+CREATE FUNCTION pgbroker.broker_wake(name text DEFAULT 'default')
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(broker_wake.name);
+    v_key integer;
+BEGIN
+    PERFORM pgbroker._holder_epoch(v_name);
+    SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
+    IF NOT pgbroker._awake_held(v_key) THEN
+        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_wake(text) IS
+$$Holder only: declare the broker of lease NAME awake and draining, so writers stop sending NOTIFYs.
+Idempotent. Call it before draining with outbox_fetch(); call broker_sleep() when the outbox is empty.$$;
+
+CREATE FUNCTION pgbroker.broker_sleep(name text DEFAULT 'default', wait interval DEFAULT '20 ms')
+RETURNS text
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(broker_sleep.name);
+    v_epoch bigint := pgbroker._holder_epoch(v_name);
+    v_key integer;
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
+    IF pgbroker._awake_held(v_key) THEN
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_key);
+    END IF;
+    -- Wait for writers that may have seen us awake (bounded: a long writer
+    -- transaction must not stall every other writer queued behind us).
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(broker_sleep.wait), true);
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_drain(), v_key);
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
+        RETURN 'busy';
+    END;
+    IF EXISTS (SELECT FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch = v_epoch) THEN
+        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
+        RETURN 'pending';
+    END IF;
+    RETURN 'asleep';
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_sleep(text, interval) IS
+$$Holder only: declare the broker of lease NAME asleep, so that the next writer NOTIFYs it. Call it in autocommit mode.
+Returns 'asleep' (outbox empty: LISTEN on wakeup_channel(NAME) and wait), 'pending' (rows arrived: still awake, fetch again)
+or 'busy' (a writer transaction still open after WAIT: still awake; poll again soon).$$;
+
+-- ---------------------------------------------------------------------------
+-- Writers' side: taken by every watch trigger before it reads pgbroker.interest.
+CREATE FUNCTION pgbroker._watch_enter(p_watch_id integer)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- Shared against subscribe's exclusive lock: a subscription commits
+    -- either before this read (and is seen) or after this transaction.
+    PERFORM pg_advisory_xact_lock_shared(pgbroker._lock_class_watch(), p_watch_id);
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        -- A snapshot older than a committed subscribe would miss it; FOR SHARE
+        -- on the row subscribe updates raises 40001 (serialization_failure) then.
+        PERFORM FROM pgbroker.watched WHERE watch_id = p_watch_id FOR SHARE;
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_enter(integer) IS
+    'Internal (watch triggers): order this writer against concurrent subscribes to the same table.';
+
+-- ---------------------------------------------------------------------------
+-- Watching a table.
+
+CREATE FUNCTION pgbroker._watch_install(p_watch pgbroker.watched)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_id integer := p_watch.watch_id;
+    v_table regclass := p_watch.relid::regclass;
+    v_keyn text;     -- key expression over n.*
+    v_keyo text;     -- key expression over o.*
+    v_join text;     -- n.k = o.k AND ...
+    v_n_null text;   -- n.k1 IS NULL
+    v_o_null text;
+    v_changed text;  -- array of changed column names
+    v_kind text;
+    v_from text;
+    v_op text;
+    v_key text;
+    v_changed_expr text;
+    v_fn text;
+    v_body text;
+    v_tail text := $t$
+    SELECT array_agg(DISTINCT name) INTO v_names FROM ins;
+    IF v_names IS NOT NULL THEN
+        PERFORM pgbroker._wake(v_names);
+    END IF;
+    RETURN NULL;
+END
+$t$;
+BEGIN
+    SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb(n.%I)', min(c))
+                ELSE format('jsonb_build_array(%s)', string_agg(format('n.%I', c), ', ' ORDER BY i)) END,
+           CASE WHEN count(*) = 1 THEN format('to_jsonb(o.%I)', min(c))
+                ELSE format('jsonb_build_array(%s)', string_agg(format('o.%I', c), ', ' ORDER BY i)) END,
+           string_agg(format('n.%I = o.%I', c, c), ' AND ' ORDER BY i),
+           format('n.%I IS NULL', min(c) FILTER (WHERE i = 1)),
+           format('o.%I IS NULL', min(c) FILTER (WHERE i = 1))
+      INTO v_keyn, v_keyo, v_join, v_n_null, v_o_null
+      FROM unnest(p_watch.key_columns) WITH ORDINALITY AS u(c, i);
+
+    -- Changed columns: IS DISTINCT FROM where the type has an equality
+    -- operator of its own, the text forms otherwise (json, xml, point...).
+    SELECT format('array_remove(ARRAY[%s]::text[], NULL)',
+                  string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
+                                  THEN format('CASE WHEN n.%I IS DISTINCT FROM o.%I THEN %L END', a.attname, a.attname, a.attname)
+                                  ELSE format('CASE WHEN n.%I::text IS DISTINCT FROM o.%I::text THEN %L END', a.attname, a.attname, a.attname)
+                             END, ', ' ORDER BY a.attnum))
+      INTO v_changed
+      FROM pg_catalog.pg_attribute a
+      CROSS JOIN LATERAL format_type(a.atttypid, NULL) AS t
+     WHERE a.attrelid = p_watch.relid AND a.attnum > 0 AND NOT a.attisdropped;
+
+    -- INSERT, UPDATE, DELETE.  Each trigger function has two statements: a
+    -- plain (hash-joinable) key join when no client watches the whole table,
+    -- and one that merges row and whole-table subscribers per change.  An
+    -- UPDATE that changes a key shows as a delete of the old key and an
+    -- insert of the new one; an UPDATE that changes nothing writes nothing.
+    FOR v_kind, v_from, v_op, v_key, v_changed_expr IN
+        VALUES ('ins', 'pgbroker_new n', $q$'I'$q$, v_keyn, 'NULL::text[]'),
+               ('del', 'pgbroker_old o', $q$'D'$q$, v_keyo, 'NULL::text[]'),
+               ('upd', format('pgbroker_new n FULL JOIN pgbroker_old o ON %s', v_join),
+                       format($q$CASE WHEN %s THEN 'I' WHEN %s THEN 'D' ELSE 'U' END$q$, v_o_null, v_n_null),
+                       format('CASE WHEN %s THEN %s ELSE %s END', v_n_null, v_keyo, v_keyn),
+                       format('CASE WHEN %s OR %s THEN NULL ELSE %s END', v_n_null, v_o_null, v_changed))
+    LOOP
+        v_fn := format('pgbroker._watch_%s_%s', v_id, v_kind);
+        v_body := format($b$
+DECLARE
+    v_names text[];
+BEGIN
+    PERFORM pgbroker._watch_enter(%1$s);
+    IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = %1$s AND row_key = 'null'::jsonb) THEN
+        WITH ins AS (
+            INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+            SELECT i.name, i.epoch, %1$s, k.op, k.row_key, k.changed, i.clients
+              FROM %2$s
+             CROSS JOIN LATERAL (SELECT (%3$s)::"char" AS op, %4$s AS row_key) k0
+             CROSS JOIN LATERAL (SELECT k0.op, k0.row_key, CASE WHEN k0.op = 'U' THEN %5$s END AS changed) k
+              JOIN pgbroker.interest i ON i.watch_id = %1$s AND i.row_key = k.row_key
+             WHERE k.op <> 'U' OR cardinality(k.changed) > 0
+            RETURNING name)
+        SELECT array_agg(DISTINCT name) INTO v_names FROM ins;
+    ELSE
+        WITH ins AS (
+            INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+            SELECT t.name, t.epoch, %1$s, k.op, k.row_key, k.changed, t.clients
+              FROM %2$s
+             CROSS JOIN LATERAL (SELECT (%3$s)::"char" AS op, %4$s AS row_key) k0
+             CROSS JOIN LATERAL (SELECT k0.op, k0.row_key, CASE WHEN k0.op = 'U' THEN %5$s END AS changed) k
+             CROSS JOIN LATERAL (
+                   SELECT i.name, max(i.epoch) AS epoch, array_agg(DISTINCT c ORDER BY c) AS clients
+                     FROM pgbroker.interest i, unnest(i.clients) AS c
+                    WHERE i.watch_id = %1$s AND i.row_key IN (k.row_key, 'null'::jsonb)
+                    GROUP BY i.name) t
+             WHERE k.op <> 'U' OR cardinality(k.changed) > 0
+            RETURNING name)
+        SELECT array_agg(DISTINCT name) INTO v_names FROM ins;
+    END IF;
+    IF v_names IS NOT NULL THEN
+        PERFORM pgbroker._wake(v_names);
+    END IF;
+    RETURN NULL;
+END
+$b$, v_id, v_from, v_op, v_key, v_changed_expr);
+        EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
+                       'SET search_path = pg_catalog, pg_temp AS %L', v_fn, v_body);
+        EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,
+                       format('Internal: %s trigger of watched table %s (generated by pgbroker.watch).',
+                              upper(v_kind), v_table));
+    END LOOP;
+
+    -- TRUNCATE: every client with any interest in the table hears of it.
+    v_fn := format('pgbroker._watch_%s_trunc', v_id);
+    v_body := format($b$
+DECLARE
+    v_names text[];
+BEGIN
+    PERFORM pgbroker._watch_enter(%1$s);
+    WITH ins AS (
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT i.name, max(i.epoch), %1$s, 'T', NULL, NULL,
+               ARRAY(SELECT DISTINCT c FROM pgbroker.interest j, unnest(j.clients) c
+                      WHERE j.watch_id = %1$s AND j.name = i.name ORDER BY 1)
+          FROM pgbroker.interest i
+         WHERE i.watch_id = %1$s
+         GROUP BY i.name
+        RETURNING name)
+$b$, v_id) || v_tail;
+    EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
+                   'SET search_path = pg_catalog, pg_temp AS %L', v_fn, v_body);
+    EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn, format('Internal: TRUNCATE trigger of watched table %s (generated by pgbroker.watch).', v_table));
+
+    PERFORM pgbroker._watch_drop_triggers(p_watch);
+    EXECUTE format('CREATE TRIGGER _pgbroker_watch_ins AFTER INSERT ON %s REFERENCING NEW TABLE AS pgbroker_new '
+                   'FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._watch_%s_ins()', v_table, v_id);
+    EXECUTE format('CREATE TRIGGER _pgbroker_watch_upd AFTER UPDATE ON %s REFERENCING OLD TABLE AS pgbroker_old NEW TABLE AS pgbroker_new '
+                   'FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._watch_%s_upd()', v_table, v_id);
+    EXECUTE format('CREATE TRIGGER _pgbroker_watch_del AFTER DELETE ON %s REFERENCING OLD TABLE AS pgbroker_old '
+                   'FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._watch_%s_del()', v_table, v_id);
+    EXECUTE format('CREATE TRIGGER _pgbroker_watch_trunc AFTER TRUNCATE ON %s '
+                   'FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._watch_%s_trunc()', v_table, v_id);
+    EXECUTE format('COMMENT ON TRIGGER _pgbroker_watch_ins ON %s IS %L', v_table, 'pgbroker: tells subscribed clients of inserted rows.');
+    EXECUTE format('COMMENT ON TRIGGER _pgbroker_watch_upd ON %s IS %L', v_table, 'pgbroker: tells subscribed clients of updated rows.');
+    EXECUTE format('COMMENT ON TRIGGER _pgbroker_watch_del ON %s IS %L', v_table, 'pgbroker: tells subscribed clients of deleted rows.');
+    EXECUTE format('COMMENT ON TRIGGER _pgbroker_watch_trunc ON %s IS %L', v_table, 'pgbroker: tells every subscribed client of a TRUNCATE.');
+    -- Generated functions are internal: nobody calls them but the triggers.
+    EXECUTE format('REVOKE ALL ON FUNCTION pgbroker._watch_%1$s_ins(), pgbroker._watch_%1$s_upd(), '
+                   'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc() FROM PUBLIC', v_id);
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_install(pgbroker.watched) IS
+    'Internal: (re)generate the trigger functions of a watched table and (re)create its triggers.';
+
+CREATE FUNCTION pgbroker._watch_drop_triggers(p_watch pgbroker.watched)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_trigger text;
+BEGIN
+    IF to_regclass(p_watch.relid::regclass::text) IS NULL THEN
+        RETURN;
+    END IF;
+    FOREACH v_trigger IN ARRAY ARRAY['_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc'] LOOP
+        EXECUTE format('DROP TRIGGER IF EXISTS %I ON %s', v_trigger, p_watch.relid::regclass);
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_drop_triggers(pgbroker.watched) IS 'Internal: drop the pgbroker triggers of a watched table.';
+
+CREATE FUNCTION pgbroker.watch("table" regclass)
+RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_rel pg_catalog.pg_class;
+    v_cols text[];
+    v_types regtype[];
+    v_watch pgbroker.watched;
+BEGIN
+    IF watch."table" IS NULL THEN
+        RAISE EXCEPTION 'table must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT * INTO v_rel FROM pg_catalog.pg_class WHERE oid = watch."table";
+    IF v_rel.relkind <> 'r' THEN
+        RAISE EXCEPTION '% is not a table (relkind %)', watch."table", v_rel.relkind
+            USING ERRCODE = 'wrong_object_type', HINT = 'Only ordinary tables with a primary key can be watched.';
+    END IF;
+    IF v_rel.relnamespace = 'pgbroker'::regnamespace THEN
+        RAISE EXCEPTION 'pgbroker''s own table % cannot be watched', watch."table" USING ERRCODE = 'wrong_object_type';
+    END IF;
+    SELECT array_agg(a.attname::text ORDER BY k.n), array_agg(a.atttypid::regtype ORDER BY k.n)
+      INTO v_cols, v_types
+      FROM pg_catalog.pg_index x
+      CROSS JOIN LATERAL unnest(x.indkey) WITH ORDINALITY AS k(attnum, n)
+      JOIN pg_catalog.pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum
+     WHERE x.indrelid = watch."table" AND x.indisprimary;
+    IF v_cols IS NULL THEN
+        RAISE EXCEPTION 'table % has no primary key', watch."table"
+            USING ERRCODE = 'PB020', HINT = 'pgbroker identifies changed rows by their primary key: add one.';
+    END IF;
+    INSERT INTO pgbroker.watched AS w (relid, table_name, key_columns, key_types)
+    VALUES (watch."table", watch."table"::text, v_cols, v_types)
+    ON CONFLICT ON CONSTRAINT watched_relid_unique
+    DO UPDATE SET table_name = excluded.table_name, watched_at = clock_timestamp()
+    RETURNING * INTO v_watch;
+    IF v_watch.key_columns IS DISTINCT FROM v_cols OR v_watch.key_types IS DISTINCT FROM v_types THEN
+        RAISE EXCEPTION 'the primary key of % changed since it was watched', watch."table"
+            USING ERRCODE = 'PB020', HINT = 'Subscriptions use the old key: unwatch() it, then watch() it again.';
+    END IF;
+    PERFORM pgbroker._watch_install(v_watch);
+    RETURN v_watch.watch_id;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.watch(regclass) IS
+$$Admin: watch TABLE (an ordinary table with a primary key; 42809 for a view or other relation, PB020 without a key).
+Installs statement-level triggers (INSERT, UPDATE, DELETE with transition tables; TRUNCATE) that write the subscribed
+clients of each changed row to the outbox and wake their brokers. Idempotent: call it again after ALTER TABLE adds or
+removes columns. Returns the watch id.$$;
+
+CREATE FUNCTION pgbroker.unwatch("table" regclass)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_watch pgbroker.watched;
+BEGIN
+    SELECT * INTO v_watch FROM pgbroker.watched WHERE relid = unwatch."table";
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM pgbroker._watch_drop_triggers(v_watch);
+    EXECUTE format('DROP FUNCTION pgbroker._watch_%1$s_ins(), pgbroker._watch_%1$s_upd(), '
+                   'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc()', v_watch.watch_id);
+    DELETE FROM pgbroker.outbox WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.watched WHERE watch_id = v_watch.watch_id;   -- cascades to subscriptions and interest
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.unwatch(regclass) IS
+    'Admin: remove the pgbroker triggers from TABLE, with its subscriptions and pending notifications; false when it was not watched.';
+
+-- ---------------------------------------------------------------------------
+-- Subscriptions.
+
+-- Remove client p_client from interest rows: of one (watch, key), or all its own when p_watch_id is NULL.
+CREATE FUNCTION pgbroker._interest_remove(p_client bigint, p_watch_id integer, p_row_key jsonb)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := (SELECT c.name FROM pgbroker.client c WHERE c.client_key = p_client);
+    v_watch_ids integer[];
+    v_row_keys jsonb[];
+BEGIN
+    WITH mine AS (
+        DELETE FROM pgbroker.subscription s
+         WHERE s.client_key = p_client
+           AND (p_watch_id IS NULL OR (s.watch_id = p_watch_id AND s.row_key = p_row_key))
+        RETURNING s.watch_id, s.row_key
+    ), shrunk AS (
+        UPDATE pgbroker.interest i
+           SET clients = array_remove(i.clients, p_client)
+          FROM mine m
+         WHERE i.watch_id = m.watch_id AND i.row_key = m.row_key AND i.name = v_name
+        RETURNING i.watch_id, i.row_key, i.clients
+    )
+    SELECT array_agg(s.watch_id), array_agg(s.row_key) INTO v_watch_ids, v_row_keys
+      FROM shrunk s WHERE cardinality(s.clients) = 0;
+    -- A row can change only once per statement: drop the emptied ones now.
+    DELETE FROM pgbroker.interest i
+     USING unnest(v_watch_ids, v_row_keys) AS e(watch_id, row_key)
+     WHERE i.watch_id = e.watch_id AND i.row_key = e.row_key AND i.name = v_name AND cardinality(i.clients) = 0;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._interest_remove(bigint, integer, jsonb) IS
+    'Internal: drop subscriptions of a client (one, or all when p_watch_id is NULL) and shrink pgbroker.interest.';
+
+CREATE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
+                                   name text DEFAULT 'default', epoch bigint DEFAULT NULL,
+                                   wait interval DEFAULT '5 s')
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe.epoch);
+    v_client bigint := pgbroker._client_key(v_name, subscribe.client_id);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe."table");
+    v_key jsonb := pgbroker._encode_key(v_watch, subscribe.key);
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    -- Exclusive against writers' triggers (shared): writers that already read
+    -- the interest without us commit first, later ones see us.
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(subscribe.wait), true);
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), v_watch.watch_id);
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', v_watch.table_name, subscribe.wait
+            USING ERRCODE = 'lock_not_available', HINT = 'Retry, or pass a longer wait.';
+    END;
+    INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
+    VALUES (v_client, v_watch.watch_id, v_key)
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, clients)
+    VALUES (v_watch.watch_id, v_key, v_name, v_epoch, ARRAY[v_client])
+    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || v_client, epoch = excluded.epoch;
+    UPDATE pgbroker.watched SET generation = generation + 1 WHERE watch_id = v_watch.watch_id;
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval) IS
+$$Broker only: subscribe client CLIENT_ID to the row of watched TABLE whose primary key is KEY (jsonb: a scalar for a
+one-column key, an array in key order for a composite one), or to the whole table when KEY is NULL.
+No gap: once it returns, every change that commits later is in the outbox, so a client that subscribes and then reads
+the row misses nothing. Waits up to WAIT for writer transactions already past their trigger (55P03 after that).
+Returns false when the subscription existed. PB010 unknown client, PB021 table not watched, 22023 bad key.$$;
+
+CREATE FUNCTION pgbroker.unsubscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
+                                     name text DEFAULT 'default', epoch bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(unsubscribe.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, unsubscribe.epoch);
+    v_client bigint := pgbroker._client_key(v_name, unsubscribe.client_id);
+    v_watch pgbroker.watched := pgbroker._watch_of(unsubscribe."table");
+    v_key jsonb := pgbroker._encode_key(v_watch, unsubscribe.key);
+BEGIN
+    IF NOT EXISTS (SELECT FROM pgbroker.subscription s
+                    WHERE s.client_key = v_client AND s.watch_id = v_watch.watch_id AND s.row_key = v_key) THEN
+        RETURN false;
+    END IF;
+    PERFORM pgbroker._interest_remove(v_client, v_watch.watch_id, v_key);
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
+    'Broker only: drop the subscription of CLIENT_ID to KEY of TABLE (NULL: the whole-table one); false when there was none.';
+
+-- ---------------------------------------------------------------------------
+-- Delivery.
+
+CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000)
+RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(outbox_fetch.name);
+    v_epoch bigint := pgbroker._holder_epoch(v_name);
+BEGIN
+    IF outbox_fetch.max_rows IS NULL OR outbox_fetch.max_rows < 1 THEN
+        RAISE EXCEPTION 'max_rows must be at least 1' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN QUERY
+    SELECT o.id, w.relid::regclass::text, o.op::text, o.row_key, o.changed,
+           ARRAY(SELECT c.client_id FROM unnest(o.clients) WITH ORDINALITY AS u(k, n)
+                   JOIN pgbroker.client c ON c.client_key = u.k ORDER BY u.n),
+           o.at
+      FROM (SELECT * FROM pgbroker.outbox b
+             WHERE b.name = v_name AND b.epoch = v_epoch
+             ORDER BY b.id
+             LIMIT outbox_fetch.max_rows
+               FOR UPDATE SKIP LOCKED) o
+      JOIN pgbroker.watched w ON w.watch_id = o.watch_id
+     ORDER BY o.id;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.outbox_fetch(text, integer) IS
+$$Holder only: up to MAX_ROWS pending notifications of lease NAME, oldest first (for any one row: in commit order).
+Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell), at.
+Rows stay until outbox_ack(): at-least-once delivery within the epoch.$$;
+
+CREATE FUNCTION pgbroker.outbox_ack(name text, ids bigint[])
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(outbox_ack.name);
+    v_count bigint;
+BEGIN
+    PERFORM pgbroker._holder_epoch(v_name);
+    DELETE FROM pgbroker.outbox o WHERE o.name = v_name AND o.id = ANY (outbox_ack.ids);
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.outbox_ack(text, bigint[]) IS
+    'Holder only: acknowledge (delete) delivered notifications IDS of lease NAME; returns how many.';
+
+-- ---------------------------------------------------------------------------
+-- Views.
+
+CREATE VIEW pgbroker.watched_tables AS
+SELECT w.relid::regclass AS "table", w.key_columns, w.watched_at,
+       (SELECT count(*) FROM pgbroker.subscription s WHERE s.watch_id = w.watch_id) AS subscriptions
+  FROM pgbroker.watched w;
+COMMENT ON VIEW pgbroker.watched_tables IS 'Tables watched by pgbroker, with their key columns and number of subscriptions.';
+COMMENT ON COLUMN pgbroker.watched_tables."table" IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.watched_tables.key_columns IS 'Its primary-key columns, in the order used by key encoding.';
+COMMENT ON COLUMN pgbroker.watched_tables.watched_at IS 'When watch() last installed its triggers.';
+COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscriptions to it.';
+
+CREATE VIEW pgbroker.subscriptions AS
+SELECT c.name, c.client_id, w.relid::regclass AS "table",
+       CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
+  FROM pgbroker.subscription s
+  JOIN pgbroker.client c ON c.client_key = s.client_key
+  JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
+COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what.';
+COMMENT ON COLUMN pgbroker.subscriptions.name IS 'Broker (lease name) of the client.';
+COMMENT ON COLUMN pgbroker.subscriptions.client_id IS 'The client.';
+COMMENT ON COLUMN pgbroker.subscriptions."table" IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.subscriptions.key IS 'The row key (jsonb), NULL for a whole-table subscription.';
+COMMENT ON COLUMN pgbroker.subscriptions.subscribed_at IS 'When.';
+
+CREATE VIEW pgbroker.outbox_pending AS
+SELECT o.name, count(*) AS pending, min(o.at) AS oldest
+  FROM pgbroker.outbox o
+ GROUP BY o.name;
+COMMENT ON VIEW pgbroker.outbox_pending IS 'Undelivered notifications per broker: how many and since when.';
+COMMENT ON COLUMN pgbroker.outbox_pending.name IS 'Broker (lease name).';
+COMMENT ON COLUMN pgbroker.outbox_pending.pending IS 'Notifications not yet acknowledged.';
+COMMENT ON COLUMN pgbroker.outbox_pending.oldest IS 'Statement time of the oldest one.';
+
+CREATE VIEW pgbroker.clients AS
+SELECT c.name, c.epoch, c.client_id, c.info, c.registered_at, c.updated_at,
+       (SELECT count(*) FROM pgbroker.subscription s WHERE s.client_key = c.client_key)::integer AS subscriptions
+  FROM pgbroker.client c
+  JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
+ WHERE l.state = 'held'
+   AND pgbroker._lease_alive(l.holder_pid, l.holder_backend_start, l.lock_key);
+COMMENT ON VIEW pgbroker.clients IS 'Clients connected to live brokers, with their broker (lease name) and epoch.';
+COMMENT ON COLUMN pgbroker.clients.name IS 'Lease name of the broker the client is connected to.';
+COMMENT ON COLUMN pgbroker.clients.epoch IS 'Epoch of that broker.';
+COMMENT ON COLUMN pgbroker.clients.client_id IS 'Client identifier given by the broker.';
+COMMENT ON COLUMN pgbroker.clients.info IS 'What the broker knows of the client (address, version...).';
+COMMENT ON COLUMN pgbroker.clients.registered_at IS 'When it was registered.';
+COMMENT ON COLUMN pgbroker.clients.updated_at IS 'When its info last changed.';
+COMMENT ON COLUMN pgbroker.clients.subscriptions IS 'How many subscriptions it has.';
+
+-- ---------------------------------------------------------------------------
+-- A new claim also wipes the clients, subscriptions and pending
+-- notifications of earlier epochs (replaces the definition in 100_lease.sql).
+CREATE OR REPLACE FUNCTION pgbroker._lease_clear_state(p_name text, p_epoch bigint)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    DELETE FROM pgbroker.state WHERE name = p_name AND epoch < p_epoch;
+    DELETE FROM pgbroker.outbox WHERE name = p_name AND epoch < p_epoch;
+    DELETE FROM pgbroker.interest WHERE name = p_name AND epoch < p_epoch;
+    DELETE FROM pgbroker.client WHERE name = p_name AND epoch < p_epoch;   -- cascades to subscriptions
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_clear_state(text, bigint) IS
+    'Internal: delete the broker state, clients, subscriptions and pending notifications of lease p_name left by epochs before p_epoch.';
+-- pgbroker: privileges of the fan-out area (merged into 900_privileges.sql at release).
+
+-- Client registry, subscriptions and delivery (200_clients.sql, 300_watch.sql).
+GRANT SELECT ON pgbroker.clients, pgbroker.subscriptions, pgbroker.watched_tables, pgbroker.outbox_pending
+TO pgbroker_reader;
+GRANT EXECUTE ON FUNCTION
+    pgbroker.client_register(text, jsonb, text, bigint),
+    pgbroker.client_update(text, jsonb, text, bigint),
+    pgbroker.client_unregister(text, text, bigint),
+    pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval),
+    pgbroker.unsubscribe(text, regclass, jsonb, text, bigint),
+    pgbroker.outbox_fetch(text, integer),
+    pgbroker.outbox_ack(text, bigint[]),
+    pgbroker.broker_wake(text),
+    pgbroker.broker_sleep(text, interval),
+    pgbroker.wakeup_channel(text)
+TO pgbroker_broker;
+GRANT EXECUTE ON FUNCTION
+    pgbroker.watch(regclass),
+    pgbroker.unwatch(regclass)
+TO pgbroker_admin;
