@@ -20,6 +20,7 @@ __all__ = [
     "InvalidArgument",
     "UnknownClient",
     "NotWatchable",
+    "NotWatched",
     "translate",
 ]
 
@@ -69,6 +70,10 @@ class NotWatchable(PgBrokerError):
     """PB020 / 42809 / 42P01: the table cannot be watched (no primary key, a view, missing)."""
 
 
+class NotWatched(PgBrokerError):
+    """PB021: the table is not watched, so nobody can subscribe to it."""
+
+
 _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "55P03": LeaseHeld,
     "PB001": NotHolder,
@@ -81,6 +86,7 @@ _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "PB020": NotWatchable,
     "42809": NotWatchable,
     "42P01": NotWatchable,
+    "PB021": NotWatched,
 }
 
 

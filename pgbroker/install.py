@@ -59,21 +59,26 @@ def libpq_url(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
-def _config(url: str):  # -> alembic.config.Config
+def _config(url: str, *, initech: bool = True):  # -> alembic.config.Config
     from alembic.config import Config
 
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_path()))
     cfg.set_main_option("path_separator", "os")
     cfg.attributes["url"] = url
+    cfg.attributes["initech"] = initech
     return cfg
 
 
-def migrate(url: str, revision: str = "heads") -> None:
-    """Upgrade the database at ``url`` to ``revision`` (all of pgbroker by default)."""
+def migrate(url: str, revision: str = "heads", *, initech: bool = True) -> None:
+    """Upgrade the database at ``url`` to ``revision`` (all of pgbroker by default).
+
+    ``initech=False`` installs the core without the reference table
+    ``initech.objects`` (revision 0003 then records itself and does nothing).
+    """
     from alembic import command
 
-    command.upgrade(_config(url), revision)
+    command.upgrade(_config(url, initech=initech), revision)
 
 
 def downgrade(url: str, revision: str = "base") -> None:
