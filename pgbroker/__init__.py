@@ -4,12 +4,14 @@ The logic lives in PL/pgSQL in the schema ``pgbroker``; this package applies
 the migrations and wraps the SQL API for Python callers.
 """
 
+from pgbroker.broker import AsyncBroker, Broker, Keepalive, Notification
 from pgbroker.errors import (
     InvalidArgument,
     LeaseHeld,
     LeaseLost,
     NotHolder,
     NotWatchable,
+    NotWatched,
     PermissionDenied,
     PgBrokerError,
     StaleEpoch,
@@ -18,11 +20,16 @@ from pgbroker.errors import (
 from pgbroker.install import migrate
 
 __all__ = [
+    "AsyncBroker",
+    "Broker",
+    "Keepalive",
+    "Notification",
     "InvalidArgument",
     "LeaseHeld",
     "LeaseLost",
     "NotHolder",
     "NotWatchable",
+    "NotWatched",
     "PermissionDenied",
     "PgBrokerError",
     "StaleEpoch",

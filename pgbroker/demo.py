@@ -1,0 +1,352 @@
+"""``pgbroker demo``: the singleton lease at work, in a few seconds.
+
+Broker A (a separate Python process) claims the lease; broker B is refused
+and told who holds it; B then waits; A is killed with SIGKILL; B takes over
+with the next epoch, and the time from the kill to B's claim is measured.
+A write fenced with A's old epoch is then refused.  Finally the brokers view
+and the lease history are printed.
+
+With no URL a throwaway PostgreSQL is started in a temporary directory
+(:class:`pgbroker._embedded.EmbeddedPostgres`; as the ``postgres`` OS user
+when run as root) and removed afterwards.  With a URL the demo installs
+pgbroker there if needed and uses the lease name ``pgbroker-demo``.
+Everything it started is stopped on the way out, also on Ctrl-C, SIGTERM or
+an error.
+
+``python -m pgbroker.demo --holder URL --name NAME`` is broker A: it claims,
+prints ``CLAIMED <epoch> <backend pid>``, and holds the lease until its
+standard input closes (so it never outlives the demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+__all__ = ["run_demo"]
+
+LEASE_NAME = "pgbroker-demo"
+STEP_TIMEOUT = 15.0  # seconds any one step may take before the demo gives up
+
+BROKERS_COLUMNS = [
+    ("name", "name"),
+    ("epoch", "epoch"),
+    ("state", "state"),
+    ("alive", "alive"),
+    ("holder_pid", "pid"),
+    ("holder_application", "application"),
+    ("holder_info", "info"),
+    ("claimed_at", "claimed at"),
+    ("heartbeat_age", "heartbeat age"),
+    ("waiting", "waiting"),
+]
+HISTORY_COLUMNS = [
+    ("id", "id"),
+    ("epoch", "epoch"),
+    ("event", "event"),
+    ("at", "at"),
+    ("pid", "pid"),
+    ("application", "application"),
+    ("reason", "reason"),
+]
+
+
+class DemoError(Exception):
+    pass
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """One line of the child's stdout, or DemoError after ``timeout`` seconds or at EOF."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise DemoError(f"broker A (process {proc.pid}) did not answer within {timeout:g} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise DemoError(f"broker A (process {proc.pid}) exited with code {proc.wait()} before claiming")
+    return line.strip()
+
+
+def _wait_for(predicate: Any, what: str, timeout: float = STEP_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise DemoError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def _demo(url: str, name: str) -> None:
+    import psycopg
+
+    from pgbroker import install
+    from pgbroker.broker import ASSERT_SQL, Broker, lease_history, list_brokers
+    from pgbroker.cli import format_table
+    from pgbroker.errors import LeaseHeld, StaleEpoch, translate
+
+    install.migrate(url)
+    _say(f"  pgbroker installed (revision {', '.join(install.current_revision(url))})")
+    conninfo = install.libpq_url(url)
+    with psycopg.connect(conninfo, autocommit=True, application_name="pgbroker-demo-observer") as admin:
+        before = lease_history(admin, name)
+        last_id = before[-1]["id"] if before else 0
+        _say()
+
+        # 1. Broker A, in a process of its own.
+        holder = subprocess.Popen(
+            [sys.executable, "-m", "pgbroker.demo", "--holder", url, "--name", name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        _cleanup.append(lambda: _stop_process(holder))
+        line = _read_line(holder, STEP_TIMEOUT)
+        if not line.startswith("CLAIMED "):
+            raise DemoError(f"broker A said {line!r}")
+        _, epoch_a_text, pid_a_text = line.split()
+        epoch_a, pid_a = int(epoch_a_text), int(pid_a_text)
+        _say(f'1. Broker A (process {holder.pid}, backend pid {pid_a}) claims lease "{name}": epoch {epoch_a}.')
+
+        # 2. Broker B is refused.
+        _say("2. Broker B claims with wait => 0 and is refused at once:")
+        try:
+            Broker(conninfo, name, application_name="pgbroker-demo-B").claim()
+        except LeaseHeld as exc:
+            _say(f"     LeaseHeld (SQLSTATE {exc.sqlstate}): {exc}")
+            _say(f"     detail: {exc.detail}")
+        else:
+            raise DemoError("broker B was not refused")
+
+        # 3. Broker B waits.
+        b = Broker(conninfo, name, wait=None, application_name="pgbroker-demo-B")
+        _cleanup.append(b.close)
+        claimed: dict[str, Any] = {}
+
+        def claim_b() -> None:
+            try:
+                b.claim()
+                claimed["at"] = time.monotonic()
+            except BaseException as exc:  # reported by the main thread
+                claimed["error"] = exc
+
+        waiter = threading.Thread(target=claim_b, name="pgbroker-demo-B", daemon=True)
+        waiter.start()
+
+        def b_is_waiting() -> bool:
+            if claimed:
+                return True
+            return any(row["name"] == name and row["waiting"] >= 1 for row in list_brokers(admin))
+
+        _wait_for(b_is_waiting, "broker B to block")
+        if "error" in claimed:
+            raise DemoError(f"broker B failed: {claimed['error']!r}")
+        _say("3. Broker B claims with wait => NULL: it blocks, waiting for A (brokers.waiting = 1).")
+
+        # 4. Kill A.
+        killed_at = time.monotonic()
+        os.kill(holder.pid, signal.SIGKILL)
+        _say(f"4. kill -9 {holder.pid}: broker A dies without a word to the server.")
+        waiter.join(STEP_TIMEOUT)
+        if "at" not in claimed:
+            raise DemoError(f"broker B did not take over: {claimed.get('error', 'still waiting')!r}")
+        took_ms = (claimed["at"] - killed_at) * 1000
+        holder.wait(STEP_TIMEOUT)
+
+        # 5. B holds it, with the next epoch.
+        _say(
+            f"5. Broker B (backend pid {b.pid}) took over: epoch {b.epoch} (A had {epoch_a}), "
+            f"{took_ms:.1f} ms after the kill."
+        )
+
+        # 6. Fencing: A's epoch no longer passes broker_assert().
+        try:
+            with admin.transaction():
+                admin.execute(ASSERT_SQL, {"name": name, "epoch": epoch_a})
+        except psycopg.Error as exc:
+            error = translate(exc)
+            if not isinstance(error, StaleEpoch):
+                raise
+            _say(f"6. A write fenced with A's epoch {epoch_a} is refused: StaleEpoch (SQLSTATE {error.sqlstate}):")
+            _say(f"     {error}")
+        else:
+            raise DemoError(f"broker_assert accepted the stale epoch {epoch_a}")
+        with admin.transaction():
+            b.assert_epoch(admin)
+        _say(f"   The same write fenced with B's epoch {b.epoch} passes.")
+
+        _say()
+        _say("pgbroker.brokers:")
+        _say(format_table([r for r in list_brokers(admin) if r["name"] == name], BROKERS_COLUMNS, indent="  "))
+        _say()
+        _say("pgbroker.lease_history (this run):")
+        _say(format_table(lease_history(admin, name, last_id), HISTORY_COLUMNS, indent="  "))
+        _say()
+        _say(f"Takeover after SIGKILL of the holder: {took_ms:.1f} ms.")
+
+
+# Cleanup actions, run last-in first-out whatever happens.
+_cleanup: list[Any] = []
+
+
+def _stop_process(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(5)
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()
+
+
+class _Signals:
+    """SIGINT and SIGTERM stop the demo (KeyboardInterrupt / SystemExit), except
+    inside :meth:`deferred` blocks (server start-up, clean-up), where they wait
+    until the block ends, so that nothing is left half started."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._pending: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._depth:
+            self._pending.append(signum)
+        else:
+            self._raise(signum)
+
+    @staticmethod
+    def _raise(signum: int) -> None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    @contextlib.contextmanager
+    def deferred(self, *, then_raise: bool = True) -> Iterator[None]:
+        """Hold signals back during the block; then act on the first one (or drop them)."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if not self._depth and self._pending:
+            signum = self._pending[0]
+            self._pending.clear()
+            if then_raise:
+                self._raise(signum)
+
+
+def _stop_server(server: Any) -> None:
+    """Stop the throwaway server; if pg_ctl fails, kill the postmaster and remove its directory."""
+    try:
+        server.stop()
+        return
+    except Exception as exc:
+        print(f"pgbroker demo: pg_ctl stop failed ({exc}); killing the server", file=sys.stderr)
+    if server._tmp is None:
+        return
+    tmp = Path(server._tmp)
+    pidfile = tmp / "data" / "postmaster.pid"
+    if pidfile.exists():
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(pidfile.read_text().split()[0])
+            os.kill(pid, signal.SIGQUIT)  # immediate shutdown; its children follow
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                os.kill(pid, 0)  # OSError once it is gone
+                time.sleep(0.05)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_demo(url: str | None = None, name: str = LEASE_NAME) -> int:
+    """Run the demo; return the exit code (0: it all worked, 130: interrupted, 143: terminated)."""
+    started = time.monotonic()
+    code = 1
+    with _Signals() as signals:
+        try:
+            _say("pgbroker demo: one broker at a time, whatever happens to it.")
+            if url is None:
+                from pgbroker._embedded import EmbeddedPostgres
+
+                server = EmbeddedPostgres()
+                with signals.deferred():
+                    _cleanup.append(lambda: _stop_server(server))
+                    server.start()
+                url = server.url
+                _say(f"  started a throwaway PostgreSQL at {url} (data in {server.datadir})")
+            else:
+                from pgbroker.cli import _describe
+
+                _say(f"  using {_describe(url)}")
+            _demo(url, name)
+            code = 0
+        except KeyboardInterrupt:
+            print("pgbroker demo: interrupted; cleaning up", file=sys.stderr)
+            code = 130
+        except SystemExit as exc:
+            print("pgbroker demo: terminated; cleaning up", file=sys.stderr)
+            code = exc.code if isinstance(exc.code, int) else 1
+        except DemoError as exc:
+            print(f"pgbroker demo failed: {exc}", file=sys.stderr)
+        except Exception as exc:
+            print(f"pgbroker demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            with signals.deferred(then_raise=False):  # we are on our way out anyway
+                while _cleanup:
+                    action = _cleanup.pop()
+                    try:
+                        action()
+                    except Exception as exc:
+                        print(f"pgbroker demo: cleanup step failed: {exc}", file=sys.stderr)
+    if code == 0:
+        _say(f"Done in {time.monotonic() - started:.1f} s; everything the demo started is stopped.")
+    return code
+
+
+def _holder(url: str, name: str) -> int:
+    """Broker A: claim, report, hold until stdin closes."""
+    from pgbroker.broker import Broker
+
+    with Broker(url, name, application_name="pgbroker-demo-A") as broker:
+        print(f"CLAIMED {broker.epoch} {broker.pid}", flush=True)
+        sys.stdin.read()  # EOF when the demo ends or dies
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pgbroker.demo")
+    parser.add_argument("--url", help="run against this database (default: a throwaway PostgreSQL)")
+    parser.add_argument("--holder", metavar="URL", help="internal: be broker A against URL")
+    parser.add_argument("--name", default=LEASE_NAME, help=f"lease name (default: {LEASE_NAME})")
+    args = parser.parse_args(argv)
+    if args.holder:
+        return _holder(args.holder, args.name)
+    return run_demo(args.url, args.name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The Python Broker's client registry, subscriptions and notification iterator (sync and asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import psycopg
+import pytest
+
+from pgbroker import AsyncBroker, Broker, LeaseLost, NotWatched, UnknownClient
+
+
+def _seed(conn: psycopg.Connection, n: int = 10) -> None:
+    conn.execute("INSERT INTO initech.objects (id, name) SELECT g, 'o' || g FROM generate_series(1, %s) g", (n,))
+
+
+def test_register_subscribe_and_iterate(db_url, connect):
+    writer = connect("writer")
+    _seed(writer)
+    with Broker(db_url, heartbeat_interval=0.2) as broker:
+        assert broker.register("c1", {"addr": "10.0.0.1"}) is True
+        assert broker.register("c1", {"addr": "10.0.0.2"}) is False  # re-register replaces info
+        assert broker.register("c2") is True
+        assert broker.subscribe("c1", "initech.objects", 3) is True
+        assert broker.subscribe("c1", "initech.objects", 3) is False
+        assert broker.subscribe("c2", "initech.objects") is True  # whole table
+        with pytest.raises(UnknownClient):
+            broker.subscribe("nobody", "initech.objects", 1)
+        with pytest.raises(NotWatched):
+            broker.subscribe("c1", "pgbroker.lease", "x")
+
+        info = writer.execute("SELECT info FROM pgbroker.clients WHERE client_id = 'c1'").fetchone()[0]
+        assert info == {"addr": "10.0.0.2"}
+
+        writer.execute("UPDATE initech.objects SET name = 'changed' WHERE id IN (3, 4)")
+        seen = []
+        for batch in broker.notifications(poll_interval=0.2):
+            seen.extend(batch)
+            if len(seen) >= 2:
+                break
+        by_key = {n.key: n for n in seen}
+        assert set(by_key) == {3, 4}
+        assert by_key[3].op == "U" and by_key[3].changed == ["name"] and sorted(by_key[3].clients) == ["c1", "c2"]
+        assert by_key[4].clients == ["c2"]
+        assert by_key[3].table == "initech.objects"
+
+        # Leaving the loop before asking for the next batch: not acknowledged, delivered again.
+        again = broker.fetch()
+        assert {n.id for n in again} == {n.id for n in seen}
+        broker.ack([n.id for n in again])
+        assert broker.fetch() == []
+
+        assert broker.unsubscribe("c2", "initech.objects") is True
+        assert broker.unregister("c1") is True
+        assert broker.unregister("c1") is False
+        assert writer.execute("SELECT count(*) FROM pgbroker.subscriptions").fetchone()[0] == 0
+
+
+def test_failed_handler_gets_the_batch_again(db_url, connect):
+    writer = connect("writer")
+    _seed(writer)
+    with Broker(db_url, heartbeat_interval=0.2) as broker:
+        broker.register("c1")
+        broker.subscribe("c1", "initech.objects", 1)
+        writer.execute("UPDATE initech.objects SET name = 'x' WHERE id = 1")
+
+        class Boom(Exception):
+            pass
+
+        with pytest.raises(Boom):
+            for _batch in broker.notifications(poll_interval=0.2):
+                raise Boom
+        redelivered = next(iter(broker.notifications(poll_interval=0.2)))
+        assert [(n.op, n.key) for n in redelivered] == [("U", 1)]
+
+
+def test_iterator_wakes_on_notify_and_acknowledges(db_url, connect):
+    """An idle broker is woken by the writer's NOTIFY well before the poll interval."""
+    writer = connect("writer")
+    _seed(writer)
+    latencies = []
+    with Broker(db_url, heartbeat_interval=0.2) as broker:
+        broker.register("c1")
+        broker.subscribe("c1", "initech.objects", 1)
+        stop = threading.Event()
+
+        def write() -> None:
+            for i in range(5):
+                time.sleep(0.3)  # let the broker fall asleep
+                sent.append(time.monotonic())
+                writer.execute("UPDATE initech.objects SET name = %s WHERE id = 1", (f"v{i}",))
+            stop.set()
+
+        sent: list[float] = []
+        thread = threading.Thread(target=write)
+        thread.start()
+        received = 0
+        for batch in broker.notifications(poll_interval=5.0):
+            latencies.append(time.monotonic() - sent[received])
+            received += len(batch)
+            if received >= 5:
+                break
+        thread.join()
+        broker.ack([])
+    # Poll interval is 5 s: only a NOTIFY can explain sub-second delivery.
+    assert max(latencies) < 1.0, latencies
+    assert writer.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0] <= 1  # the last batch is not acked
+
+
+def test_iterator_stops_when_the_lease_is_lost(db_url, connect):
+    admin = connect("admin")
+    with Broker(db_url, heartbeat_interval=0.2) as broker:
+        broker.register("c1")
+        admin.execute("SELECT pg_terminate_backend(%s)", (broker.pid,))
+        with pytest.raises(LeaseLost):
+            for _batch in broker.notifications(poll_interval=0.2):
+                pass
+
+
+def test_async_iterator(db_url, connect):
+    writer = connect("writer")
+    _seed(writer)
+
+    async def main() -> list:
+        async with AsyncBroker(db_url, heartbeat_interval=0.2) as broker:
+            assert await broker.register("c1", {"v": 1})
+            assert await broker.subscribe("c1", "initech.objects", [2])  # a one-element list is not a scalar
+            raise AssertionError("a list key for a one-column primary key must be refused")
+
+    from pgbroker import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        asyncio.run(main())
+
+    async def main2() -> list:
+        async with AsyncBroker(db_url, heartbeat_interval=0.2) as broker:
+            await broker.register("c1")
+            await broker.subscribe("c1", "initech.objects", 2)
+            writer.execute("DELETE FROM initech.objects WHERE id = 2")
+            out = []
+            async for batch in broker.notifications(poll_interval=0.2):
+                out.extend(batch)
+                break
+            assert await broker.unregister("c1")
+            return out
+
+    got = asyncio.run(main2())
+    assert [(n.op, n.key, n.clients) for n in got] == [("D", 2, ["c1"])]
