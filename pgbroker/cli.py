@@ -1,6 +1,7 @@
 """The ``pgbroker`` command: install, inspect and demonstrate pgbroker.
 
-    pgbroker migrate       [--url URL] [--revision heads]   install or upgrade the schema
+    pgbroker migrate       [--url URL] [--revision heads] [--no-initech]
+                                                            install or upgrade the schema
     pgbroker downgrade     [--url URL] [--revision base]    base removes everything pgbroker created
     pgbroker status        [--url URL]                      installed revision and the brokers view
     pgbroker demo          [--url URL]                      the lease at work (a throwaway server without --url)
@@ -84,10 +85,10 @@ def _heads() -> tuple[str, ...]:
     return tuple(sorted(ScriptDirectory.from_config(cfg).get_heads()))
 
 
-def _cmd_migrate(url: str, revision: str) -> int:
+def _cmd_migrate(url: str, revision: str, initech: bool = True) -> int:
     from pgbroker import install
 
-    install.migrate(url, revision)
+    install.migrate(url, revision, initech=initech)
     print(f"pgbroker: {_describe(url)} is at revision {', '.join(install.current_revision(url)) or 'base'}")
     return 0
 
@@ -143,8 +144,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--url", help="postgresql:// URL (default: $DATABASE_URL)")
         return p
 
-    with_url(sub.add_parser("migrate", help="install or upgrade pgbroker")).add_argument(
-        "--revision", default="heads", help="target revision (default: heads)"
+    migrate = with_url(sub.add_parser("migrate", help="install or upgrade pgbroker"))
+    migrate.add_argument("--revision", default="heads", help="target revision (default: heads)")
+    migrate.add_argument(
+        "--no-initech",
+        dest="initech",
+        action="store_false",
+        help="install the core without the reference table initech.objects",
     )
     with_url(sub.add_parser("downgrade", help="downgrade; base removes every object pgbroker created")).add_argument(
         "--revision", default="base", help="target revision (default: base)"
@@ -184,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "migrate":
-            return _cmd_migrate(url, args.revision)
+            return _cmd_migrate(url, args.revision, args.initech)
         if args.command == "downgrade":
             return _cmd_downgrade(url, args.revision)
         return _cmd_status(url)

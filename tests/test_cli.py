@@ -114,3 +114,21 @@ def test_demo_with_a_throwaway_server():
     datadir = re.search(r"data in (\S+)\)", out).group(1)
     assert not Path(datadir).exists()
     assert "everything the demo started is stopped" in out
+
+
+def test_migrate_core_only_without_initech(empty_db):
+    result = pgbroker("migrate", "--url", empty_db, "--no-initech")
+    assert result.returncode == 0, result.stderr
+    with psycopg.connect(empty_db) as conn:
+        assert conn.execute("SELECT to_regclass('initech.objects')").fetchone()[0] is None
+        assert conn.execute("SELECT to_regprocedure('pgbroker.watch(regclass)')").fetchone()[0] is not None
+        # Every revision is recorded, so later upgrades keep working.
+        assert conn.execute("SELECT version_num FROM pgbroker.alembic_version").fetchone()[0] == install_head()
+    result = pgbroker("downgrade", "--url", empty_db)
+    assert result.returncode == 0, result.stderr
+
+
+def install_head() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(install.migrations_path())).get_current_head()

@@ -1,6 +1,6 @@
 -- Undo 0003_initech: stop watching initech.objects; drop it (and the schema)
 -- only if this installation created them.
-SELECT pgbroker.unwatch('initech.objects') WHERE to_regclass('initech.objects') IS NOT NULL;
+SELECT pgbroker.unwatch(to_regclass('initech.objects')) WHERE to_regclass('initech.objects') IS NOT NULL;
 DO $initech$
 BEGIN
     IF EXISTS (SELECT FROM pgbroker.installed WHERE kind = 'table' AND object = 'initech.objects') THEN
@@ -9,6 +9,9 @@ BEGIN
     END IF;
     IF EXISTS (SELECT FROM pgbroker.installed WHERE kind = 'schema' AND object = 'initech') THEN
         BEGIN
+            IF to_regnamespace('initech') IS NOT NULL THEN
+                REVOKE USAGE ON SCHEMA initech FROM pgbroker_broker;
+            END IF;
             DROP SCHEMA IF EXISTS initech;
             DELETE FROM pgbroker.installed WHERE kind = 'schema' AND object = 'initech';
         EXCEPTION WHEN dependent_objects_still_exist THEN
