@@ -27,6 +27,7 @@ DROP FUNCTION
     pgbroker._lease_alive(integer, timestamptz, integer),
     pgbroker._check_name(text);
 DROP TABLE pgbroker.state, pgbroker.lease_event, pgbroker.lease;
+DROP SEQUENCE pgbroker.lease_epoch_seq;
 DROP FUNCTION pgbroker._my_backend_start(), pgbroker._lock_class();
 ALTER DEFAULT PRIVILEGES IN SCHEMA pgbroker GRANT EXECUTE ON FUNCTIONS TO PUBLIC;
 

@@ -96,7 +96,9 @@ SELECT pgbroker._set_database_search_path(true);
 -- session through a session-level advisory lock, so it is freed by the server
 -- the moment that session ends (process killed, connection lost, server
 -- restarted).  The lease row records who holds it and a fencing token, the
--- epoch, which grows by one with every successful claim and is never reused.
+-- epoch, which grows with every successful claim and is never reused, not even
+-- by a claim that rolled back (epochs come from one sequence, so they may skip
+-- values).
 --
 -- Claims follow their transaction: broker_claim() takes a
 -- transaction-level advisory lock, and a deferred constraint trigger turns it
@@ -145,7 +147,7 @@ COMMENT ON TABLE pgbroker.lease IS
     'One row per broker lease name: its current epoch and holder. Internal: read the view pgbroker.brokers.';
 COMMENT ON COLUMN pgbroker.lease.name IS 'Lease name (1 to 63 bytes).';
 COMMENT ON COLUMN pgbroker.lease.lock_key IS 'Second key of the advisory lock (pgbroker._lock_class(), lock_key); unique per name, so names never collide.';
-COMMENT ON COLUMN pgbroker.lease.epoch IS 'Fencing token: incremented by every successful claim, never reused.';
+COMMENT ON COLUMN pgbroker.lease.epoch IS 'Fencing token: increased by every successful claim, never reused (drawn from pgbroker.lease_epoch_seq, so it may skip values); 0 before the first claim.';
 COMMENT ON COLUMN pgbroker.lease.state IS 'new (never claimed), held (claimed and not released) or released.';
 COMMENT ON COLUMN pgbroker.lease.holder_pid IS 'Backend pid of the session that made the last claim.';
 COMMENT ON COLUMN pgbroker.lease.holder_backend_start IS 'Start time of that backend (guards against pid reuse).';
@@ -158,6 +160,12 @@ COMMENT ON COLUMN pgbroker.lease.heartbeat_at IS 'Last broker_heartbeat() of the
 COMMENT ON COLUMN pgbroker.lease.released_at IS 'When the holder called broker_release(), if it did.';
 COMMENT ON COLUMN pgbroker.lease.sync_xid IS 'Internal: transaction that last changed the holder; see _lease_sync_session_lock().';
 COMMENT ON COLUMN pgbroker.lease.session_locked IS 'Internal: whether the session of that transaction held the session-level lock when it began.';
+
+-- Epochs of all names come from one sequence: a number once handed out is
+-- never handed out again, not even when the claim that got it rolled back.
+CREATE SEQUENCE pgbroker.lease_epoch_seq AS bigint;
+COMMENT ON SEQUENCE pgbroker.lease_epoch_seq IS
+    'Internal: source of lease epochs (fencing tokens), shared by all lease names, so a number is never reused even after a rolled-back claim.';
 
 CREATE TABLE pgbroker.lease_event (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -181,6 +189,20 @@ CREATE TABLE pgbroker.lease_event (
 CREATE INDEX lease_event_name_epoch ON pgbroker.lease_event (name, epoch);
 COMMENT ON TABLE pgbroker.lease_event IS
     'History of every claim, takeover and release. Internal: read the view pgbroker.lease_history.';
+COMMENT ON COLUMN pgbroker.lease_event.id IS 'Increasing event number.';
+COMMENT ON COLUMN pgbroker.lease_event.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.lease_event.epoch IS 'Epoch claimed or released.';
+COMMENT ON COLUMN pgbroker.lease_event.at IS 'When it happened (clock time inside the acting transaction).';
+COMMENT ON COLUMN pgbroker.lease_event.pid IS 'Backend pid of the session that acted.';
+COMMENT ON COLUMN pgbroker.lease_event.db_user IS 'Database user (session_user) that acted.';
+COMMENT ON COLUMN pgbroker.lease_event.application IS 'Its application_name.';
+COMMENT ON COLUMN pgbroker.lease_event.address IS 'Its client address (NULL over a Unix socket).';
+COMMENT ON COLUMN pgbroker.lease_event.info IS 'The info text given to broker_claim().';
+COMMENT ON COLUMN pgbroker.lease_event.previous_epoch IS 'For a claim: the epoch it replaced.';
+COMMENT ON COLUMN pgbroker.lease_event.previous_pid IS 'For a claim: the previous holder''s pid.';
+COMMENT ON COLUMN pgbroker.lease_event.previous_application IS 'For a claim: the previous holder''s application_name.';
+COMMENT ON COLUMN pgbroker.lease_event.previous_address IS 'For a claim: the previous holder''s address.';
+COMMENT ON COLUMN pgbroker.lease_event.previous_heartbeat_at IS 'For a claim: the previous holder''s last heartbeat.';
 COMMENT ON COLUMN pgbroker.lease_event.event IS 'claim, takeover (holder terminated by takeover => true), stale_takeover (holder terminated because its heartbeat was older than stale_after) or release.';
 COMMENT ON COLUMN pgbroker.lease_event.reason IS 'Why: who took over from whom, how old the heartbeat was, whether the previous holder had released or died.';
 
@@ -197,6 +219,11 @@ CREATE TABLE pgbroker.state (
 );
 COMMENT ON TABLE pgbroker.state IS
     'Key/value state of the current broker of each lease, wiped when a new epoch is claimed. Internal: use broker_state_set() and the view pgbroker.broker_state.';
+COMMENT ON COLUMN pgbroker.state.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.state.key IS 'Key.';
+COMMENT ON COLUMN pgbroker.state.epoch IS 'Epoch of the broker that wrote it; rows of earlier epochs are deleted by the next claim.';
+COMMENT ON COLUMN pgbroker.state.value IS 'Value.';
+COMMENT ON COLUMN pgbroker.state.updated_at IS 'When it was last set.';
 
 -- ---------------------------------------------------------------------------
 -- Errors.  Every error a user can hit is raised here or by PostgreSQL with a
@@ -509,6 +536,11 @@ COMMENT ON FUNCTION pgbroker._lease_takeover_stale(text, interval) IS
 
 -- ---------------------------------------------------------------------------
 -- The claim proper, once the caller's rights have been checked.
+--
+-- Waiting: the session blocks on the advisory lock for at most p_wait (NULL:
+-- without limit).  With p_stale_after it blocks in slices that end when the
+-- recorded holder's heartbeat would turn stale, and checks again, so a holder
+-- that stops heartbeating while we wait is taken over too.
 CREATE FUNCTION pgbroker._lease_claim(p_name text, p_wait interval, p_terminated integer, p_stale_after interval, p_info text)
 RETURNS bigint
 LANGUAGE plpgsql
@@ -518,49 +550,91 @@ AS $$
 DECLARE
     v_me integer := pg_backend_pid();
     v_me_start timestamptz := pgbroker._my_backend_start();
+    v_deadline timestamptz;
     v_lease pgbroker.lease;
     v_prev pgbroker.lease;
     v_got boolean := false;
-    v_old_timeout text;
+    v_lost boolean := false;
+    v_old_timeout text := current_setting('lock_timeout');
+    v_slice interval;
     v_killed integer := p_terminated;
     v_event text := CASE WHEN p_terminated IS NULL THEN 'claim' ELSE 'takeover' END;
     v_reason text;
     v_locked_before boolean;
 BEGIN
-    PERFORM pgbroker._lease_sweep();
-    INSERT INTO pgbroker.lease (name) VALUES (p_name) ON CONFLICT (name) DO NOTHING;
-    SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    -- Checked again here: EXECUTE on this function is granted to pgbroker_broker.
+    PERFORM pgbroker._check_name(p_name), pgbroker._wait_ms(p_wait);
+    IF p_stale_after IS NOT NULL AND p_stale_after <= '0'::interval THEN
+        RAISE EXCEPTION 'stale_after must be positive: %', p_stale_after USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_deadline := clock_timestamp() + p_wait;  -- NULL: no limit
 
-    -- Already ours (committed, or claimed earlier in this transaction).
+    PERFORM pgbroker._lease_sweep();
+    SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    IF NOT FOUND THEN
+        -- First claim of this name.  Only then INSERT: an INSERT ... ON
+        -- CONFLICT waits for any open transaction that changed the row, which
+        -- would make wait => '0' block.  It still waits for a concurrent
+        -- first claim of the same name; that wait is bounded by p_wait.
+        BEGIN
+            PERFORM set_config('lock_timeout',
+                               pgbroker._wait_ms(CASE WHEN v_deadline IS NOT NULL
+                                                      THEN greatest(v_deadline - clock_timestamp(), '0'::interval) END),
+                               true);
+            INSERT INTO pgbroker.lease (name) VALUES (p_name) ON CONFLICT (name) DO NOTHING;
+            PERFORM set_config('lock_timeout', v_old_timeout, true);
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE EXCEPTION 'lease "%" is being claimed for the first time by a transaction that has not committed yet', p_name
+                USING ERRCODE = 'lock_not_available',
+                      HINT = 'Wait for it (wait => interval, or NULL to wait until the holder''s session ends).';
+        END;
+        SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    END IF;
+
+    -- Already ours (committed, or claimed earlier in this transaction) ...
     IF v_lease.state = 'held' AND v_lease.holder_pid = v_me AND v_lease.holder_backend_start = v_me_start THEN
-        RETURN v_lease.epoch;
+        IF pgbroker._lease_alive(v_me, v_me_start, v_lease.lock_key) THEN
+            RETURN v_lease.epoch;
+        END IF;
+        -- ... unless our lock is gone (pg_advisory_unlock_all(), DISCARD ALL):
+        -- then another session may have had it meanwhile; claim a new epoch.
+        v_lost := true;
     END IF;
 
     v_got := pg_try_advisory_xact_lock(pgbroker._lock_class(), v_lease.lock_key);
-
-    IF NOT v_got AND v_killed IS NULL AND p_stale_after IS NOT NULL THEN
-        v_killed := pgbroker._lease_takeover_stale(p_name, p_stale_after);
-        IF v_killed IS NOT NULL THEN
-            v_event := 'stale_takeover';
+    WHILE NOT v_got LOOP
+        IF v_killed IS NULL AND p_stale_after IS NOT NULL THEN
+            v_killed := pgbroker._lease_takeover_stale(p_name, p_stale_after);
+            IF v_killed IS NOT NULL THEN
+                v_event := 'stale_takeover';
+            END IF;
         END IF;
-    END IF;
-
-    IF NOT v_got AND (p_wait IS DISTINCT FROM '0'::interval OR v_killed IS NOT NULL) THEN
-        v_old_timeout := current_setting('lock_timeout');
+        IF v_killed IS NOT NULL THEN
+            -- The holder was terminated and its lock is about to go: wait for
+            -- it (at least 5 s) even if the caller asked not to wait.
+            v_slice := CASE WHEN v_deadline IS NOT NULL THEN greatest(v_deadline - clock_timestamp(), '5 s'::interval) END;
+        ELSE
+            EXIT WHEN clock_timestamp() >= v_deadline;
+            v_slice := v_deadline - clock_timestamp();
+            IF p_stale_after IS NOT NULL THEN
+                -- Look again when the holder's heartbeat would turn stale
+                -- (LEAST ignores NULL: no deadline, or no heartbeat).
+                v_slice := least(v_slice,
+                                 greatest((SELECT heartbeat_at + p_stale_after - clock_timestamp()
+                                             FROM pgbroker.lease WHERE name = p_name), '0'::interval)
+                                 + '50 ms'::interval);
+            END IF;
+        END IF;
         BEGIN
-            -- After a termination the old holder's lock is about to go: wait
-            -- for it even if the caller asked not to wait.
-            PERFORM set_config('lock_timeout',
-                               CASE WHEN v_killed IS NOT NULL AND p_wait IS NOT NULL AND p_wait < '5 s'
-                                    THEN '5000' ELSE pgbroker._wait_ms(p_wait) END,
-                               true);
+            PERFORM set_config('lock_timeout', pgbroker._wait_ms(v_slice), true);
             PERFORM pg_advisory_xact_lock(pgbroker._lock_class(), v_lease.lock_key);
             PERFORM set_config('lock_timeout', v_old_timeout, true);
             v_got := true;
         EXCEPTION WHEN lock_not_available THEN
-            v_got := false;
+            -- Someone else got the lock of the holder we terminated.
+            EXIT WHEN v_killed IS NOT NULL;
         END;
-    END IF;
+    END LOOP;
 
     IF NOT v_got THEN
         PERFORM pgbroker._raise_held(p_name);
@@ -569,7 +643,8 @@ BEGIN
     -- FOR UPDATE conflicts with broker_assert()'s FOR KEY SHARE: a fenced
     -- transaction that asserted the old epoch commits before the new one exists.
     SELECT * INTO v_prev FROM pgbroker.lease WHERE name = p_name FOR UPDATE;
-    v_locked_before := pgbroker._lease_touch(v_prev);
+    -- Whether this session holds the session-level lock (not when it was lost).
+    v_locked_before := NOT v_lost AND pgbroker._lease_touch(v_prev);
 
     v_reason := CASE
         WHEN v_event = 'takeover' THEN format('takeover by %s: terminated pid %s (epoch %s)', session_user, v_killed, v_prev.epoch)
@@ -577,11 +652,16 @@ BEGIN
                                                   v_killed, v_prev.epoch, clock_timestamp() - v_prev.heartbeat_at, p_stale_after)
         WHEN v_prev.state = 'new' THEN 'first claim'
         WHEN v_prev.state = 'released' THEN format('epoch %s was released', v_prev.epoch)
+        WHEN v_lost THEN format('the same session (pid %s) had lost the lock of epoch %s (pg_advisory_unlock_all() or DISCARD ALL)',
+                                v_me, v_prev.epoch)
         ELSE format('session of pid %s (epoch %s) ended', v_prev.holder_pid, v_prev.epoch)
     END;
 
+    -- The epoch comes from a sequence: a claim that rolls back after it
+    -- returned its epoch has still used that number up.  Claims of one name
+    -- are serialised by the lock and the row lock above, so it grows per name.
     UPDATE pgbroker.lease
-       SET epoch = v_prev.epoch + 1,
+       SET epoch = nextval('pgbroker.lease_epoch_seq'),
            state = 'held',
            holder_pid = v_me,
            holder_backend_start = v_me_start,
@@ -653,7 +733,7 @@ COMMENT ON FUNCTION pgbroker.broker_claim(text, interval, boolean, interval, tex
 $$Claim the broker lease NAME for this session and return its new epoch (the fencing token).
 wait: '0' fails at once with 55P03 if another session holds it; an interval blocks up to that long; NULL blocks until the holder's session ends.
 takeover => true (pgbroker_admin only, else 42501): terminate the holder, then claim.
-stale_after: terminate a holder whose last broker_heartbeat() is older than this, then claim.
+stale_after: terminate a holder whose last broker_heartbeat() is older than this (checked again while waiting), then claim.
 info: free text recorded with the holder (for example the hostname).
 Also deletes the broker state of earlier epochs. Returns the current epoch when this session already holds the lease.
 The claim follows its transaction: it takes effect at commit and leaves no lock behind on error or rollback.$$;
@@ -744,15 +824,17 @@ BEGIN
     IF v_lease.state <> 'held' THEN
         RAISE EXCEPTION 'epoch % of lease "%" was released', broker_assert.epoch, v_name USING ERRCODE = 'PB002';
     END IF;
-    IF NOT EXISTS (SELECT FROM pg_stat_get_activity(v_lease.holder_pid) a
-                    WHERE a.backend_start = v_lease.holder_backend_start) THEN
-        RAISE EXCEPTION 'the holder of epoch % of lease "%" (pid %) is gone', broker_assert.epoch, v_name, v_lease.holder_pid
+    -- Alive and still holding the lock (a lock lost to pg_advisory_unlock_all()
+    -- or DISCARD ALL counts as gone: another session could claim any moment).
+    IF NOT pgbroker._lease_alive(v_lease.holder_pid, v_lease.holder_backend_start, v_lease.lock_key) THEN
+        RAISE EXCEPTION 'the holder of epoch % of lease "%" (pid %) is gone or no longer holds its lock',
+                broker_assert.epoch, v_name, v_lease.holder_pid
             USING ERRCODE = 'PB002';
     END IF;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_assert(text, bigint) IS
-$$Fencing check for use inside any transaction: raises PB002 unless EPOCH is the current epoch of lease NAME and its holder's session is alive.
+$$Fencing check for use inside any transaction: raises PB002 unless EPOCH is the current epoch of lease NAME and its holder's session is alive and holds the lock.
 Holds a key-share lock on the lease row until the transaction ends, so a concurrent claim cannot commit a newer epoch before this transaction does.$$;
 
 -- ---------------------------------------------------------------------------
