@@ -385,8 +385,10 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    -- Wait (up to 5 s) for the backend to exit, so that its lock is gone.
-    RETURN pg_terminate_backend(p_pid, 5000);
+    -- No timeout argument: that would poll for the exit every 100 ms.  The
+    -- caller waits on the advisory lock instead, which it gets the moment the
+    -- terminated backend releases it.
+    RETURN pg_terminate_backend(p_pid);
 EXCEPTION WHEN insufficient_privilege THEN
     RAISE EXCEPTION 'cannot terminate pid % holding lease "%": the role that installed pgbroker lacks the right to', p_pid, p_name
         USING ERRCODE = 'insufficient_privilege',
@@ -394,7 +396,7 @@ EXCEPTION WHEN insufficient_privilege THEN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_terminate(text, integer) IS
-    'Internal: terminate backend p_pid and wait up to 5 s for it to exit.';
+    'Internal: send SIGTERM to backend p_pid (the claim then waits for its lock).';
 
 -- Privileged takeover: terminate whoever holds the lock.  EXECUTE is granted
 -- to pgbroker_admin only; that grant is the privilege check.
