@@ -12,7 +12,8 @@ REVOKE ALL ON SCHEMA pgbroker FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA pgbroker FROM PUBLIC;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA pgbroker FROM PUBLIC;
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgbroker FROM PUBLIC;
-ALTER DEFAULT PRIVILEGES IN SCHEMA pgbroker REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
+-- (ALTER DEFAULT PRIVILEGES IN SCHEMA cannot take away the global default
+-- EXECUTE for PUBLIC, so every revision revokes what it created, as above.)
 
 GRANT pgbroker_broker, pgbroker_reader TO pgbroker_admin;
 GRANT USAGE ON SCHEMA pgbroker TO pgbroker_broker, pgbroker_reader, pgbroker_admin;

@@ -29,7 +29,6 @@ DROP FUNCTION
 DROP TABLE pgbroker.state, pgbroker.lease_event, pgbroker.lease;
 DROP SEQUENCE pgbroker.lease_epoch_seq;
 DROP FUNCTION pgbroker._my_backend_start(), pgbroker._lock_class();
-ALTER DEFAULT PRIVILEGES IN SCHEMA pgbroker GRANT EXECUTE ON FUNCTIONS TO PUBLIC;
 
 -- Roles this installation created: revoke what they hold here and drop them.
 -- A role still used in another database of the cluster is kept.
