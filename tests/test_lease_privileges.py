@@ -214,3 +214,27 @@ def test_hostile_search_path_changes_nothing(connect, evil, search_path):
     assert evil.execute("SELECT count(*) FROM evil.lease").fetchone()[0] == 0
     assert evil.execute("SELECT count(*) FROM evil.lease_event").fetchone()[0] == 0
     assert [e["event"] for e in history(evil)] == ["claim", "release", "claim"]
+
+
+def test_forged_session_cache_does_not_make_another_session_the_holder(connect):
+    """pgbroker.session caches this backend's start time; a forged value cannot borrow a holder's identity."""
+    holder = connect("holder", user="t_broker")
+    other = connect("other", user="t_broker")
+    assert claim(holder, "forged") >= 1
+    admin = connect("admin")
+    start = admin.execute(
+        "SELECT (extract(epoch FROM backend_start) * 1000000)::bigint FROM pg_stat_activity WHERE pid = %s",
+        (holder.info.backend_pid,),
+    ).fetchone()[0]
+    for pid in (holder.info.backend_pid, other.info.backend_pid):
+        other.execute("SELECT set_config('pgbroker.session', %s, false)", (f"{pid}@{start}",))
+        for sql in (
+            "SELECT pgbroker.broker_heartbeat('forged')",
+            "SELECT pgbroker.broker_state_set('forged', 'k', '1')",
+        ):
+            with pytest.raises(psycopg.Error) as caught:
+                other.execute(sql)
+            assert caught.value.sqlstate == "PB001"
+        assert other.execute("SELECT pgbroker.broker_release('forged')").fetchone()[0] is False
+    # The real holder is unaffected.
+    assert holder.execute("SELECT pgbroker.broker_heartbeat('forged')").fetchone()[0] is not None
