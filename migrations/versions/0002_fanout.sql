@@ -933,6 +933,11 @@ COMMENT ON FUNCTION pgbroker._lease_clear_state(text, bigint) IS
     'Internal: delete the broker state, clients, subscriptions and pending notifications of lease p_name left by epochs before p_epoch.';
 -- pgbroker: privileges of the fan-out area (merged into 900_privileges.sql at release).
 
+-- PUBLIC keeps EXECUTE on new functions (ALTER DEFAULT PRIVILEGES IN SCHEMA
+-- cannot take away a global default), so revoke it from everything this area
+-- created: watch() and the other SECURITY DEFINER functions check no role.
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgbroker FROM PUBLIC;
+
 -- Client registry, subscriptions and delivery (200_clients.sql, 300_watch.sql).
 GRANT SELECT ON pgbroker.clients, pgbroker.subscriptions, pgbroker.watched_tables, pgbroker.outbox_pending
 TO pgbroker_reader;

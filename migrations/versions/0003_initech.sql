@@ -11,6 +11,8 @@ BEGIN
         CREATE SCHEMA initech;
         COMMENT ON SCHEMA initech IS 'Reference application schema of pgbroker (created by pgbroker).';
         INSERT INTO pgbroker.installed (kind, object) VALUES ('schema', 'initech');
+        -- The broker names the table in subscribe() and reads the rows it subscribes to.
+        GRANT USAGE ON SCHEMA initech TO pgbroker_broker;
     END IF;
     IF to_regclass('initech.objects') IS NULL THEN
         CREATE TABLE initech.objects (
@@ -26,6 +28,7 @@ BEGIN
         COMMENT ON COLUMN initech.objects.name IS 'Display name.';
         COMMENT ON COLUMN initech.objects.config IS 'Configuration pushed to clients.';
         COMMENT ON COLUMN initech.objects.updated_at IS 'Last change, as set by the application.';
+        GRANT SELECT ON initech.objects TO pgbroker_broker;
         INSERT INTO pgbroker.installed (kind, object) VALUES ('table', 'initech.objects');
     END IF;
 END

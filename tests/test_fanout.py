@@ -1,0 +1,583 @@
+"""Client registry, subscriptions, the outbox, wake-ups and delivery (issue 3)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import psycopg
+import pytest
+from fanout_util import (
+    OBJECTS,
+    ack,
+    claim,
+    drain,
+    fetch,
+    listen,
+    notifies,
+    pgbroker_state_counts,
+    raw_outbox,
+    register,
+    renew,
+    seed_objects,
+    sleep,
+    subscribe,
+    summary,
+    unregister,
+    unsubscribe,
+    wait_until,
+    wake,
+)
+from psycopg.types.json import Jsonb
+
+ODD_SCHEMA = '"odd ""sch"" ema"'
+ODD_TABLE = f'{ODD_SCHEMA}."Tab ""le"" x"'
+TEXT_TABLE = f'{ODD_SCHEMA}."text keyed"'
+PAIR_TABLE = f'{ODD_SCHEMA}."pair key"'
+
+
+def clients_view(conn: psycopg.Connection) -> list[tuple]:
+    return conn.execute("SELECT name, epoch, client_id, info FROM pgbroker.clients ORDER BY name, client_id").fetchall()
+
+
+# ---------------------------------------------------------------------------
+# Client registry.
+
+
+def test_register_update_unregister_from_holder(connect):
+    broker = connect("broker")
+    epoch = claim(broker)
+    assert register(broker, "c1", info={"addr": "10.0.0.1"}) is True
+    assert register(broker, "c1", info={"addr": "10.0.0.2"}) is False  # already there: info replaced
+    assert clients_view(broker) == [("default", epoch, "c1", {"addr": "10.0.0.2"})]
+    broker.execute("SELECT pgbroker.client_update('c1', %s)", (Jsonb({"v": 2}),))
+    assert clients_view(broker) == [("default", epoch, "c1", {"v": 2})]
+    with pytest.raises(psycopg.Error) as err:
+        broker.execute("SELECT pgbroker.client_update('nobody', '{}')")
+    assert err.value.sqlstate == "PB010"
+    assert unregister(broker, "c1") is True
+    assert unregister(broker, "c1") is False
+    assert clients_view(broker) == []
+
+
+def test_register_from_other_session_needs_current_epoch(connect):
+    broker, other = connect("broker"), connect("worker")
+    epoch = claim(broker)
+    # Without an epoch, only the holder's session may act.
+    with pytest.raises(psycopg.Error) as err:
+        register(other, "c1")
+    assert err.value.sqlstate == "PB001"
+    # With the holder's current epoch, any session may.
+    assert register(other, "c1", epoch=epoch) is True
+    other.execute("SELECT pgbroker.client_update('c1', '{\"x\": 1}', epoch => %s)", (epoch,))
+    assert clients_view(broker) == [("default", epoch, "c1", {"x": 1})]
+    with pytest.raises(psycopg.Error) as err:
+        register(other, "c2", epoch=epoch + 1000)
+    assert err.value.sqlstate == "PB002"
+    # A new claim makes the old epoch stale.
+    new_epoch = renew(broker)
+    assert new_epoch > epoch  # epochs grow (they may skip values)
+    with pytest.raises(psycopg.Error) as err:
+        register(other, "c2", epoch=epoch)
+    assert err.value.sqlstate == "PB002"
+    with pytest.raises(psycopg.Error) as err:
+        unregister(other, "c1", epoch=epoch)
+    assert err.value.sqlstate == "PB002"
+    assert register(other, "c2", epoch=new_epoch) is True
+    assert unregister(other, "c2", epoch=new_epoch) is True
+
+
+def test_clients_view_lists_live_brokers_only(connect):
+    a, b, watcher = connect("broker a"), connect("broker b"), connect("frontend")
+    epoch_a, epoch_b = claim(a, "a"), claim(b, "b")
+    register(a, "x1", "a", {"addr": "1"})
+    register(a, "x2", "a")
+    register(b, "y1", "b")
+    assert [(r[0], r[1], r[2]) for r in clients_view(watcher)] == [
+        ("a", epoch_a, "x1"),
+        ("a", epoch_a, "x2"),
+        ("b", epoch_b, "y1"),
+    ]
+    pid_a = a.info.backend_pid
+    a.close()
+    wait_until(lambda: not watcher.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid_a,)).fetchone())
+    # The rows are still in the table, but the view shows live brokers only.
+    assert [(r[0], r[2]) for r in clients_view(watcher)] == [("b", "y1")]
+    assert watcher.execute("SELECT count(*) FROM pgbroker.client WHERE name = 'a'").fetchone()[0] == 2
+
+
+# ---------------------------------------------------------------------------
+# Subscriptions.
+
+
+@pytest.fixture
+def odd_tables(connect):
+    admin = connect("admin")
+    admin.execute(f"CREATE SCHEMA {ODD_SCHEMA}")
+    admin.execute(f'CREATE TABLE {ODD_TABLE} ("I d" uuid PRIMARY KEY, "the ""value""" text)')
+    admin.execute(f"CREATE TABLE {TEXT_TABLE} (code text PRIMARY KEY, v int)")
+    admin.execute(f"CREATE TABLE {PAIR_TABLE} (region text, n int, v int, PRIMARY KEY (region, n))")
+    for table in (ODD_TABLE, TEXT_TABLE, PAIR_TABLE):
+        admin.execute("SELECT pgbroker.watch(%s::regclass)", (table,))
+    return admin
+
+
+def test_subscribe_row_whole_table_and_composite_keys(connect, odd_tables):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    for c in ("row", "whole", "text", "pair"):
+        register(broker, c)
+    u1, u2 = uuid.uuid4(), uuid.uuid4()
+    # Keys are normalised: an upper-case uuid, a number for a text key, a string for an int part.
+    assert subscribe(broker, "row", ODD_TABLE, str(u1).upper()) is True
+    assert subscribe(broker, "row", ODD_TABLE, str(u1)) is False  # same key
+    assert subscribe(broker, "whole", ODD_TABLE) is True
+    assert subscribe(broker, "text", TEXT_TABLE, 42) is True
+    assert subscribe(broker, "pair", PAIR_TABLE, ["eu", "7"]) is True
+    subs = broker.execute(
+        'SELECT client_id, "table"::text, key FROM pgbroker.subscriptions ORDER BY client_id'
+    ).fetchall()
+    assert subs == [
+        ("pair", PAIR_TABLE, ["eu", 7]),
+        ("row", ODD_TABLE, str(u1)),
+        ("text", TEXT_TABLE, "42"),
+        ("whole", ODD_TABLE, None),
+    ]
+    assert dict(broker.execute('SELECT "table"::text, subscriptions FROM pgbroker.watched_tables').fetchall()) == {
+        ODD_TABLE: 2,
+        TEXT_TABLE: 1,
+        PAIR_TABLE: 1,
+        OBJECTS: 0,
+    }
+
+    writer.execute(f"INSERT INTO {ODD_TABLE} VALUES (%s, 'one'), (%s, 'two')", (u1, u2))
+    writer.execute(f"INSERT INTO {TEXT_TABLE} VALUES ('42', 1), ('43', 1)")
+    writer.execute(f"INSERT INTO {PAIR_TABLE} VALUES ('eu', 7, 1), ('eu', 8, 1), ('us', 7, 1)")
+    writer.execute(f"UPDATE {PAIR_TABLE} SET v = 2")
+    writer.execute(f'UPDATE {ODD_TABLE} SET "the ""value""" = \'ONE\' WHERE "I d" = %s', (u1,))
+    rows = drain(broker)
+    got = sorted((r["table"], r["op"], r["key"], r["changed"], tuple(sorted(r["clients"]))) for r in rows)
+    assert got == sorted(
+        [
+            (ODD_TABLE, "I", str(u1), None, ("row", "whole")),
+            (ODD_TABLE, "I", str(u2), None, ("whole",)),
+            (TEXT_TABLE, "I", "42", None, ("text",)),
+            (PAIR_TABLE, "I", ["eu", 7], None, ("pair",)),
+            (PAIR_TABLE, "U", ["eu", 7], ["v"], ("pair",)),
+            (ODD_TABLE, "U", str(u1), ['the "value"'], ("row", "whole")),
+        ]
+    )
+
+    assert unsubscribe(broker, "row", ODD_TABLE, str(u1)) is True
+    assert unsubscribe(broker, "row", ODD_TABLE, str(u1)) is False
+    assert unsubscribe(broker, "whole", ODD_TABLE) is True
+    assert unsubscribe(broker, "pair", PAIR_TABLE, ["eu", 7]) is True
+    writer.execute(f'UPDATE {ODD_TABLE} SET "the ""value""" = "the ""value""" || \'!\'')
+    writer.execute(f"UPDATE {PAIR_TABLE} SET v = 3")
+    assert drain(broker) == []
+    assert broker.execute(
+        "SELECT count(*) FROM pgbroker.interest i JOIN pgbroker.watched w USING (watch_id) "
+        "WHERE w.relid IN (%s::regclass, %s::regclass)",
+        (ODD_TABLE, PAIR_TABLE),
+    ).fetchone() == (0,)
+
+
+def test_unregister_drops_subscriptions_and_interest(connect):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    seed_objects(writer, range(1, 4))
+    register(broker, "c1")
+    register(broker, "c2")
+    for key in (1, 2, None):
+        subscribe(broker, "c1", key=key)
+    subscribe(broker, "c2", key=1)
+    assert broker.execute("SELECT count(*) FROM pgbroker.interest").fetchone() == (3,)
+    assert unregister(broker, "c1") is True
+    assert broker.execute("SELECT count(*) FROM pgbroker.subscriptions WHERE client_id = 'c1'").fetchone() == (0,)
+    # Only the interest row c2 still needs is left, and it lists c2 alone.
+    keys = broker.execute("SELECT row_key, clients FROM pgbroker.interest").fetchall()
+    assert len(keys) == 1 and keys[0][0] == 1 and len(keys[0][1]) == 1
+    writer.execute("UPDATE initech.objects SET name = 'x'")
+    assert summary(drain(broker)) == [("U", 1, ["name"], ("c2",))]
+
+
+def test_new_claim_wipes_state_of_earlier_epochs(connect):
+    old, new, writer = connect("old broker"), connect("new broker"), connect("writer")
+    other = connect("other broker")
+    epoch = claim(old)
+    claim(other, "other")
+    seed_objects(writer, [1])
+    register(old, "c1")
+    subscribe(old, "c1", key=1)
+    subscribe(old, "c1")
+    register(other, "o1", "other")
+    subscribe(other, "o1", key=1, name="other")
+    writer.execute("UPDATE initech.objects SET name = 'changed'")
+    assert pgbroker_state_counts(writer) == {"client": 2, "subscription": 3, "interest": 3, "outbox": 2, "watched": 1}
+    old.close()
+    assert claim(new) > epoch
+    # Everything of lease "default" is gone; lease "other" is untouched.
+    assert pgbroker_state_counts(writer) == {"client": 1, "subscription": 1, "interest": 1, "outbox": 1, "watched": 1}
+    assert fetch(new) == []
+    assert summary(fetch(other, "other")) == [("U", 1, ["name"], ("o1",))]
+
+
+# ---------------------------------------------------------------------------
+# What the triggers write.
+
+
+def test_insert_update_delete_write_the_right_rows(connect):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    register(broker, "c1")
+    register(broker, "c2")
+    subscribe(broker, "c1", key=1)
+    subscribe(broker, "c2", key=1)
+    subscribe(broker, "c2", key=2)
+    writer.execute("INSERT INTO initech.objects (id, name) VALUES (1, 'a'), (2, 'b'), (3, 'c')")
+    assert sorted(summary(drain(broker))) == [("I", 1, None, ("c1", "c2")), ("I", 2, None, ("c2",))]
+    writer.execute("UPDATE initech.objects SET name = 'a2' WHERE id = 1")
+    assert summary(drain(broker)) == [("U", 1, ["name"], ("c1", "c2"))]
+    # Changed columns are listed in column order.
+    writer.execute("UPDATE initech.objects SET updated_at = now() + interval '1 h', config = '{\"k\": 1}' WHERE id = 2")
+    assert summary(drain(broker)) == [("U", 2, ["config", "updated_at"], ("c2",))]
+    # An UPDATE that changes nothing writes nothing, even when it touches every row.
+    writer.execute("UPDATE initech.objects SET name = name, config = config")
+    writer.execute("UPDATE initech.objects SET config = '{\"k\": 1}' WHERE id = 2")
+    assert drain(broker) == []
+    # jsonb compares by value: the same object written in another key order is no change.
+    writer.execute('UPDATE initech.objects SET config = \'{"a": 1, "b": 2}\' WHERE id = 1')
+    drain(broker)
+    writer.execute('UPDATE initech.objects SET config = \'{"b": 2, "a": 1}\' WHERE id = 1')
+    assert drain(broker) == []
+    writer.execute("DELETE FROM initech.objects WHERE id IN (1, 3)")
+    assert summary(drain(broker)) == [("D", 1, None, ("c1", "c2"))]
+    # One statement changing several subscribed rows: one row per change.
+    writer.execute("INSERT INTO initech.objects (id, name) VALUES (1, 'again')")
+    writer.execute("UPDATE initech.objects SET kind = 'k2'")
+    assert sorted(summary(drain(broker))) == [
+        ("I", 1, None, ("c1", "c2")),
+        ("U", 1, ["kind"], ("c1", "c2")),
+        ("U", 2, ["kind"], ("c2",)),
+    ]
+
+
+def test_key_changing_update_is_delete_plus_insert(connect):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    seed_objects(writer, [1, 2])
+    register(broker, "old")
+    register(broker, "new")
+    register(broker, "all")
+    subscribe(broker, "old", key=1)
+    subscribe(broker, "new", key=5)
+    subscribe(broker, "all")
+    writer.execute("UPDATE initech.objects SET id = 5, name = 'moved' WHERE id = 1")
+    assert sorted(summary(drain(broker))) == [("D", 1, None, ("all", "old")), ("I", 5, None, ("all", "new"))]
+
+
+def test_truncate_tells_every_broker_with_subscribers(connect):
+    a, b, c, writer = connect("a"), connect("b"), connect("c"), connect("writer")
+    for conn, name in ((a, "a"), (b, "b"), (c, "c")):
+        claim(conn, name)
+    seed_objects(writer, [1, 2])
+    register(a, "a1", "a")
+    register(a, "a2", "a")
+    register(b, "b1", "b")
+    register(c, "c1", "c")  # no subscription: hears nothing
+    subscribe(a, "a1", key=1, name="a")
+    subscribe(a, "a2", key=99, name="a")  # a row that does not exist
+    subscribe(b, "b1", name="b")
+    writer.execute("TRUNCATE initech.objects")
+    assert summary(fetch(a, "a")) == [("T", None, None, ("a1", "a2"))]
+    assert summary(fetch(b, "b")) == [("T", None, None, ("b1",))]
+    assert fetch(c, "c") == []
+
+
+def test_client_on_row_and_whole_table_hears_each_change_once(connect):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    seed_objects(writer, range(1, 5))
+    register(broker, "both")
+    register(broker, "row2")
+    subscribe(broker, "both", key=1)
+    subscribe(broker, "both")
+    subscribe(broker, "row2", key=2)
+    writer.execute("UPDATE initech.objects SET name = 'n' WHERE id IN (1, 2, 3)")
+    assert sorted(summary(drain(broker))) == [
+        ("U", 1, ["name"], ("both",)),
+        ("U", 2, ["name"], ("both", "row2")),
+        ("U", 3, ["name"], ("both",)),
+    ]
+
+
+def test_json_column_changes_are_detected(connect):
+    admin, broker = connect("admin"), connect("broker")
+    admin.execute("CREATE TABLE public.docs (id int PRIMARY KEY, doc json, pt point, tags int[])")
+    admin.execute("SELECT pgbroker.watch('public.docs')")
+    admin.execute("""INSERT INTO public.docs VALUES (1, '{"a": 1}', '(1,1)', '{1,2}')""")
+    claim(broker)
+    register(broker, "c")
+    subscribe(broker, "c", "public.docs", 1)
+    admin.execute("""UPDATE public.docs SET doc = '{"a": 2}'""")
+    admin.execute("UPDATE public.docs SET pt = '(2,2)'")
+    admin.execute("UPDATE public.docs SET tags = '{1,2,3}'")
+    admin.execute("""UPDATE public.docs SET doc = '{"a": 2}', pt = '(2,2)', tags = '{1,2,3}'""")  # no change
+    assert summary(drain(broker)) == [
+        ("U", 1, ["doc"], ("c",)),
+        ("U", 1, ["pt"], ("c",)),
+        ("U", 1, ["tags"], ("c",)),
+    ]
+
+
+def test_bulk_update_with_few_subscribers_writes_few_rows(connect):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    seed_objects(writer, range(1, 2001))
+    register(broker, "c")
+    subscribe(broker, "c", key=7)
+    subscribe(broker, "c", key=1999)
+    writer.execute("UPDATE initech.objects SET config = jsonb_build_object('v', id)")
+    writer.execute("DELETE FROM initech.objects WHERE id > 1000")
+    assert sorted(summary(drain(broker))) == [
+        ("D", 1999, None, ("c",)),
+        ("U", 7, ["config"], ("c",)),
+        ("U", 1999, ["config"], ("c",)),
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Wake-ups.
+
+
+def test_asleep_broker_is_woken_once_per_transaction(connect):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    ch = listen(broker)
+    assert ch.startswith("pgbroker_wakeup_")
+    seed_objects(writer, range(1, 101))
+    register(broker, "c")
+    subscribe(broker, "c")
+    assert notifies(broker, 0.2) == []
+    with writer.transaction():
+        writer.execute("UPDATE initech.objects SET name = 'x'")  # 100 rows
+        writer.execute("UPDATE initech.objects SET kind = 'y' WHERE id < 50")
+        writer.execute("DELETE FROM initech.objects WHERE id > 90")
+    got = notifies(broker, 0.5)
+    assert [(n.channel, n.payload) for n in got] == [(ch, "default")]  # the lease name, never data
+    assert len(fetch(broker)) == 100 + 49 + 10
+    # Still asleep (it never called broker_wake): the next transaction wakes it again.
+    writer.execute("UPDATE initech.objects SET name = 'z' WHERE id = 1")
+    assert [n.payload for n in notifies(broker, 0.5)] == ["default"]
+    # A rolled-back transaction wakes nobody.
+    with pytest.raises(ZeroDivisionError), writer.transaction():
+        writer.execute("UPDATE initech.objects SET name = 'w' WHERE id = 2")
+        raise ZeroDivisionError
+    assert notifies(broker, 0.3) == []
+
+
+def test_no_notify_while_awake_and_sleep_reports_pending(connect):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    listen(broker)
+    seed_objects(writer, [1])
+    register(broker, "c")
+    subscribe(broker, "c", key=1)
+    assert sleep(broker) == "asleep"
+    wake(broker)
+    wake(broker)  # idempotent
+    writer.execute("UPDATE initech.objects SET name = 'a'")
+    writer.execute("UPDATE initech.objects SET name = 'b'")
+    assert notifies(broker, 0.3) == []
+    assert sleep(broker) == "pending"  # rows are waiting: still awake
+    writer.execute("UPDATE initech.objects SET name = 'c'")
+    assert notifies(broker, 0.3) == []
+    rows = fetch(broker)
+    assert [r["op"] for r in rows] == ["U", "U", "U"]
+    ack(broker, [r["id"] for r in rows])
+    assert sleep(broker) == "asleep"
+    writer.execute("UPDATE initech.objects SET name = 'd'")
+    assert [n.payload for n in notifies(broker, 0.5)] == ["default"]
+    # Changes nobody is subscribed to wake nobody.
+    drain(broker)
+    writer.execute("INSERT INTO initech.objects (id) VALUES (2)")
+    assert notifies(broker, 0.3) == []
+
+
+def test_sleep_reports_busy_while_a_writer_that_saw_it_awake_is_open(connect):
+    broker, writer = connect("broker"), connect("writer", autocommit=False)
+    claim(broker)
+    seed_objects(broker, [1])
+    register(broker, "c")
+    subscribe(broker, "c", key=1)
+    wake(broker)
+    writer.execute("UPDATE initech.objects SET name = 'open'")  # saw the broker awake, stays open
+    assert sleep(broker, wait="50 ms") == "busy"
+    writer.commit()
+    # busy left it awake: the commit sent no NOTIFY, the broker must look again.
+    assert sleep(broker) == "pending"
+    assert summary(drain(broker)) == [("U", 1, ["name"], ("c",))]
+    assert sleep(broker) == "asleep"
+
+
+def test_many_brokers_each_change_reaches_the_right_broker_only(connect):
+    a, b, writer = connect("broker a"), connect("broker b"), connect("writer")
+    epoch_a, epoch_b = claim(a, "a"), claim(b, "b")
+    ch_a, ch_b = listen(a, "a"), listen(b, "b")
+    assert ch_a != ch_b
+    seed_objects(writer, range(1, 5))
+    register(a, "a1", "a")
+    register(b, "b1", "b")
+    # Same client id on two brokers: two different clients.
+    register(b, "a1", "b")
+    with pytest.raises(psycopg.Error) as err:
+        subscribe(a, "b1", key=1, name="a")  # b1 belongs to broker b
+    assert err.value.sqlstate == "PB010"
+    with pytest.raises(psycopg.Error) as err:
+        subscribe(a, "b1", key=1, name="b")  # a does not hold lease b
+    assert err.value.sqlstate == "PB001"
+    subscribe(a, "a1", key=1, name="a")
+    subscribe(b, "b1", key=2, name="b")
+    subscribe(b, "a1", key=3, name="b")
+
+    writer.execute("UPDATE initech.objects SET name = 'x' WHERE id = 1")
+    assert [(n.channel, n.payload) for n in notifies(a, 0.5)] == [(ch_a, "a")]
+    assert notifies(b, 0.2) == []
+    assert summary(drain(a, "a")) == [("U", 1, ["name"], ("a1",))]
+    assert drain(b, "b") == []
+
+    writer.execute("UPDATE initech.objects SET name = 'y' WHERE id IN (2, 3)")
+    assert [(n.channel, n.payload) for n in notifies(b, 0.5)] == [(ch_b, "b")]
+    assert notifies(a, 0.2) == []
+    assert drain(a, "a") == []
+    assert sorted(summary(drain(b, "b"))) == [("U", 2, ["name"], ("b1",)), ("U", 3, ["name"], ("a1",))]
+
+    # One transaction touching both: each broker woken once, on its own channel.
+    writer.execute("UPDATE initech.objects SET name = 'z'")
+    assert [(n.channel, n.payload) for n in notifies(a, 0.5)] == [(ch_a, "a")]
+    assert [(n.channel, n.payload) for n in notifies(b, 0.2)] == [(ch_b, "b")]
+    assert raw_outbox(writer) == [
+        ("a", epoch_a, "U", 1, ["name"], ["a1"]),
+        ("b", epoch_b, "U", 2, ["name"], ["b1"]),
+        ("b", epoch_b, "U", 3, ["name"], ["a1"]),
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Delivery.
+
+
+def test_at_least_once_fetch_without_ack_returns_rows_again(connect):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    seed_objects(writer, range(1, 6))
+    register(broker, "c")
+    subscribe(broker, "c")
+    writer.execute("UPDATE initech.objects SET name = 'x'")
+    first = fetch(broker, max_rows=3)
+    assert len(first) == 3
+    again = fetch(broker)
+    assert [r["id"] for r in again][:3] == [r["id"] for r in first] and len(again) == 5
+    assert ack(broker, [r["id"] for r in first]) == 3
+    assert ack(broker, [r["id"] for r in first]) == 0
+    rest = fetch(broker)
+    assert [r["id"] for r in rest] == [r["id"] for r in again][3:]
+    assert broker.execute("SELECT pending FROM pgbroker.outbox_pending").fetchone() == (2,)
+    ack(broker, [r["id"] for r in rest])
+    assert fetch(broker) == []
+    assert broker.execute("SELECT count(*) FROM pgbroker.outbox_pending").fetchone() == (0,)
+
+
+def test_fetch_skips_rows_locked_by_another_fetch(connect):
+    broker = connect("broker", autocommit=False)
+    writer = connect("writer")
+    claim(broker)
+    broker.commit()
+    seed_objects(writer, range(1, 5))
+    register(broker, "c")
+    subscribe(broker, "c")
+    broker.commit()
+    writer.execute("UPDATE initech.objects SET name = 'x'")
+    first = fetch(broker, max_rows=2)  # rows stay locked: the transaction is open
+    other = connect("helper")
+    # Another session holding the same rows' locks is skipped (FOR UPDATE SKIP LOCKED).
+    free = [r[0] for r in other.execute("SELECT id FROM pgbroker.outbox ORDER BY id FOR UPDATE SKIP LOCKED")]
+    assert len(free) == 2 and not set(free) & {r["id"] for r in first}
+    broker.rollback()
+
+
+def test_per_object_commit_order(connect):
+    broker, w1 = connect("broker"), connect("w1", autocommit=False)
+    w2 = connect("w2", autocommit=False)
+    claim(broker)
+    seed_objects(broker, [1, 2])
+    register(broker, "c")
+    subscribe(broker, "c", key=1)
+    # w2 starts first and writes an unrelated watched row, so it is "older".
+    w2.execute("UPDATE initech.objects SET name = 'w2 first' WHERE id = 2")
+    w1.execute("UPDATE initech.objects SET name = 'w1' WHERE id = 1")
+    done = threading.Event()
+
+    def second() -> None:
+        w2.execute('UPDATE initech.objects SET config = \'{"by": "w2"}\' WHERE id = 1')
+        w2.commit()
+        done.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    wait_until(
+        lambda: broker.execute(
+            "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = %s AND NOT granted)", (w2.info.backend_pid,)
+        ).fetchone()[0],
+        what="w2 blocked on row 1",
+    )
+    w1.commit()
+    t.join(10)
+    assert done.is_set()
+    rows = fetch(broker)
+    assert summary(rows) == [("U", 1, ["name"], ("c",)), ("U", 1, ["config"], ("c",))]
+    assert rows[0]["id"] < rows[1]["id"]
+
+
+def test_broker_dying_mid_batch_loses_nothing_its_successor_needs(connect):
+    first, writer, watcher = connect("broker 1"), connect("writer"), connect("watcher")
+    first_epoch = claim(first)
+    seed_objects(writer, range(1, 6))
+    clients = {"c1": [1, 2], "c2": [3, 4, 5]}
+    for client, keys in clients.items():
+        register(first, client)
+        for key in keys:
+            subscribe(first, client, key=key)
+    writer.execute("UPDATE initech.objects SET config = jsonb_build_object('v', id * 10)")
+    batch = fetch(first, max_rows=2)
+    assert len(batch) == 2
+    watcher.execute("SELECT pg_terminate_backend(%s, 5000)", (first.info.backend_pid,))
+    # Writes go on while there is no broker; their targets are of the dead epoch.
+    writer.execute("UPDATE initech.objects SET config = jsonb_build_object('v', id * 100) WHERE id IN (1, 3)")
+
+    second = connect("broker 2")
+    assert claim(second) > first_epoch
+    assert fetch(second) == []  # earlier epoch wiped
+    # The successor re-registers the still-connected clients, re-subscribes, then re-reads.
+    view: dict[str, dict[int, dict]] = {}
+    for client, keys in clients.items():
+        register(second, client)
+        for key in keys:
+            subscribe(second, client, key=key)
+        view[client] = dict(
+            second.execute("SELECT id, config FROM initech.objects WHERE id = ANY (%s)", (keys,)).fetchall()
+        )
+    # Changes after the re-subscription arrive through the outbox.
+    writer.execute("UPDATE initech.objects SET config = jsonb_build_object('v', -id) WHERE id IN (2, 5)")
+    writer.execute("DELETE FROM initech.objects WHERE id = 4")
+    for row in drain(second):
+        for client in row["clients"]:
+            found = second.execute("SELECT config FROM initech.objects WHERE id = %s", (row["key"],)).fetchone()
+            if found is None:
+                view[client].pop(row["key"], None)
+            else:
+                view[client][row["key"]] = found[0]
+    table = dict(writer.execute("SELECT id, config FROM initech.objects").fetchall())
+    for client, keys in clients.items():
+        assert view[client] == {k: table[k] for k in keys if k in table}
+    assert view == {"c1": {1: {"v": 100}, 2: {"v": -2}}, "c2": {3: {"v": 300}, 5: {"v": -5}}}
