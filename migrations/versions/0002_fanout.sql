@@ -379,13 +379,18 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(broker_wake.name);
+    v_epoch bigint;
     v_key integer;
 BEGIN
-    PERFORM pgbroker._holder_epoch(v_name);
+    v_epoch := pgbroker._holder_epoch(v_name);
     SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
     IF NOT pgbroker._awake_held(v_key) THEN
         PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
     END IF;
+    -- A writer that read pgbroker.interest just before this epoch's claim
+    -- committed may have written rows for the old epoch after the claim
+    -- wiped them: nobody will fetch those, so drop them here.
+    DELETE FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch < v_epoch;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_wake(text) IS
@@ -401,6 +406,7 @@ AS $$
 DECLARE
     v_name text := pgbroker._check_name(broker_sleep.name);
     v_epoch bigint := pgbroker._holder_epoch(v_name);
+    v_wait_ms text := pgbroker._wait_ms(broker_sleep.wait);   -- checked before anything changes
     v_key integer;
     v_timeout text := current_setting('lock_timeout');
 BEGIN
@@ -411,7 +417,7 @@ BEGIN
     -- Wait for writers that may have seen us awake (bounded: a long writer
     -- transaction must not stall every other writer queued behind us).
     BEGIN
-        PERFORM set_config('lock_timeout', pgbroker._wait_ms(broker_sleep.wait), true);
+        PERFORM set_config('lock_timeout', v_wait_ms, true);
         PERFORM pg_advisory_xact_lock(pgbroker._lock_class_drain(), v_key);
         PERFORM set_config('lock_timeout', v_timeout, true);
     EXCEPTION WHEN lock_not_available THEN
@@ -931,12 +937,15 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_clear_state(text, bigint) IS
     'Internal: delete the broker state, clients, subscriptions and pending notifications of lease p_name left by epochs before p_epoch.';
--- pgbroker: privileges of the fan-out area (merged into 900_privileges.sql at release).
+-- pgbroker: privileges of the fan-out area (sql/900_privileges.sql, second part).
 
--- PUBLIC keeps EXECUTE on new functions (ALTER DEFAULT PRIVILEGES IN SCHEMA
--- cannot take away a global default), so revoke it from everything this area
--- created: watch() and the other SECURITY DEFINER functions check no role.
+-- ===========================================================================
+-- Fan-out area (200_clients.sql, 300_watch.sql), since revision 0002_fanout.
+
+-- Functions of this area are created with EXECUTE for PUBLIC: take it back
+-- (watch() and the other SECURITY DEFINER functions check no role themselves).
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgbroker FROM PUBLIC;
+REVOKE ALL ON ALL TABLES IN SCHEMA pgbroker FROM PUBLIC;
 
 -- Client registry, subscriptions and delivery (200_clients.sql, 300_watch.sql).
 GRANT SELECT ON pgbroker.clients, pgbroker.subscriptions, pgbroker.watched_tables, pgbroker.outbox_pending
