@@ -1,4 +1,4 @@
-"""Who may do what in the fan-out area (sql/910_privileges_fanout.sql)."""
+"""Who may do what in the fan-out area (sql/900_privileges.sql, second part)."""
 
 from __future__ import annotations
 
