@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from lease_util import wait_until  # noqa: F401  (re-exported for the fan-out tests)
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
@@ -125,17 +124,6 @@ def count(conn: psycopg.Connection, query: str, params: Any = None) -> int:
 
 def sqlstate(exc_info: Any) -> str | None:
     return exc_info.value.sqlstate
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def seed_objects(conn: psycopg.Connection, ids: range | list[int]) -> None:
