@@ -1,0 +1,921 @@
+"""Benchmark of change fan-out (watched tables, outbox, wake-ups) against unwatched floors (run on demand).
+
+    python tests/benchmarks/bench_fanout.py            # about 5 minutes
+    python tests/benchmarks/bench_fanout.py --quick    # shorter runs, for a smoke test
+    python tests/benchmarks/bench_fanout.py --explain  # also print the trigger queries' plans (auto_explain)
+    python -m pytest tests/benchmarks/bench_fanout.py -s -p no:cacheprovider
+
+Starts its own throwaway PostgreSQL with fsync, synchronous_commit and
+full_page_writes ON (the test fixtures turn them off), installs pgbroker with
+its migrations, and measures, in the same run, against floors measured
+alternately with it:
+
+1. UPDATE throughput (pgbench, one row per transaction) on a watched table
+   (1,000 rows, 1,000 clients on one broker, 10,000 subscriptions: 10 per row)
+   against an identical unwatched table, at 1 and at 8 writers, with a real
+   broker draining concurrently.  Also the NOTIFYs the broker received during
+   the watched runs: wake-ups must not be one per writing transaction.
+   Target: at least 0.75x.
+2. One 10,000-row UPDATE statement: with 1% of the rows subscribed, against the
+   same statement on an unwatched table (target: at most 1.5x); with every row
+   subscribed, the extra cost per outbox row against a plain INSERT ... SELECT of
+   the same outbox-shaped rows into an UNLOGGED table of the outbox's shape
+   (target: within 1.5x).  Medians of alternating repetitions.
+3. Commit-to-handler latency: a writer updates a subscribed row 50 times a
+   second; the time from its commit returning to the broker's outbox_fetch()
+   returning the row (same process, time.perf_counter).  Floor: an UPDATE plus
+   pg_notify() in one transaction, received by a plain LISTENing connection.
+   Target: p99 under 10 ms.
+4. Scale: single-row UPDATE cost with 100 clients / 2,000 subscriptions against
+   10,000 clients / 200,000 subscriptions (a fresh epoch; the updated rows have
+   two subscribers in both cases).  Target: about 1x.
+
+The broker is a thread holding the lease on its own connection.  Its loop is
+plain psycopg calls to the SQL API: broker_wake(); outbox_fetch(max 1000) and
+outbox_ack() until the outbox stays empty for LINGER seconds (polled every
+millisecond); broker_sleep(); then wait on LISTEN for a NOTIFY or POLL seconds.
+
+Loopback only; bounded in count and time.  Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import psycopg  # noqa: E402
+
+from pgbroker import install  # noqa: E402
+from pgbroker._embedded import EmbeddedPostgres, find_pg_bin  # noqa: E402
+
+DURABLE = (
+    "-c fsync=on -c synchronous_commit=on -c full_page_writes=on "
+    # Keep a timed checkpoint out of the measurements; the run is shorter than this.
+    "-c checkpoint_timeout=30min -c max_wal_size=4GB"
+)
+BROKER = "default"
+LINGER = 0.005  # seconds the broker keeps polling an empty outbox before it sleeps
+POLL = 0.2  # seconds the sleeping broker waits for a NOTIFY before polling anyway
+
+TPS_TARGET = 0.75
+BULK_TARGET = 1.5
+PER_ROW_TARGET = 1.5
+LATENCY_P99_TARGET_MS = 10.0
+SCALE_TARGET = 1.2  # "about 1x": the large set-up may cost at most this much more
+
+
+@dataclass
+class Settings:
+    tps_seconds: float = 5.0  # per pgbench run
+    tps_rounds: int = 3  # rounds of plain / watched / watched-not-drained, rotated, per writer count
+    bulk_reps: int = 5
+    latency_rate: float = 50.0  # writes per second (each for pgbroker and the floor)
+    latency_seconds: float = 5.0
+    scale_seconds: float = 4.0
+    scale_rounds: int = 2  # alternating watched / unwatched pgbench runs per phase
+    scale_statements: int = 1000
+    explain: bool = False
+
+    @classmethod
+    def quick(cls) -> Settings:
+        return cls(tps_seconds=2.0, tps_rounds=1, bulk_reps=3, latency_seconds=2.0, scale_seconds=2.0,
+                   scale_rounds=2, scale_statements=300)  # fmt: skip
+
+
+@dataclass
+class Results:
+    rows: list[tuple[str, str, str, str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    figures: dict[str, float] = field(default_factory=dict)
+    missed: list[str] = field(default_factory=list)
+
+    def add(self, metric: str, ours: str, floor: str, ratio: str, target: str) -> None:
+        self.rows.append((metric, ours, floor, ratio, target))
+        if target.endswith("MISSED"):
+            self.missed.append(metric)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(f"  {text}", flush=True)
+
+    def table(self) -> str:
+        header = ("metric", "pgbroker", "floor", "ratio", "target")
+        widths = [max(len(r[i]) for r in [header, *self.rows]) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *self.rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def _verdict(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def _percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+# ---------------------------------------------------------------------------
+# The broker: a thread holding the lease and draining the outbox.
+
+
+class DrainingBroker(threading.Thread):
+    """Holds lease ``name`` on its own connection and drains its outbox until stopped."""
+
+    def __init__(self, url: str, name: str = BROKER, linger: float = LINGER, poll: float = POLL):
+        super().__init__(name=f"broker-{name}", daemon=True)
+        self.lease = name
+        self.linger = linger
+        self.poll = poll
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.epoch: int = self.conn.execute("SELECT pgbroker.broker_claim(%s)", (name,)).fetchone()[0]
+        self.channel: str = self.conn.execute("SELECT pgbroker.wakeup_channel(%s)", (name,)).fetchone()[0]
+        assert re.fullmatch(r"pgbroker_wakeup_[0-9]+", self.channel), self.channel
+        self.on_rows: Callable[[list[tuple[Any, ...]], float], None] | None = None
+        self._halt = threading.Event()
+        self.paused = threading.Event()  # while set: stays awake (no NOTIFYs) but does not fetch
+        self.error: BaseException | None = None
+        # Counters (written by this thread only).
+        self.notifies = 0  # NOTIFYs received
+        self.timeouts = 0  # sleeps that ended by the poll timeout
+        self.wakes = 0  # broker_wake() calls
+        self.fetches = 0  # non-empty fetches
+        self.delivered = 0  # outbox rows fetched and acknowledged
+        self.sleep_results: Counter[str] = Counter()
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "notifies": self.notifies,
+            "timeouts": self.timeouts,
+            "wakes": self.wakes,
+            "fetches": self.fetches,
+            "delivered": self.delivered,
+            "asleep": self.sleep_results["asleep"],
+            "pending": self.sleep_results["pending"],
+            "busy": self.sleep_results["busy"],
+        }
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    def _loop(self) -> None:
+        conn = self.conn
+        conn.execute(f"LISTEN {self.channel}")
+        while not self._halt.is_set():
+            conn.execute("SELECT pgbroker.broker_wake(%s)", (self.lease,))
+            self.wakes += 1
+            self._drain()
+            status = conn.execute("SELECT pgbroker.broker_sleep(%s)", (self.lease,)).fetchone()[0]
+            self.sleep_results[status] += 1
+            if status != "asleep":
+                continue  # still awake: 'pending' (rows arrived) or 'busy' (a writer still open)
+            received = 0
+            for _ in conn.notifies(timeout=self.poll, stop_after=1):
+                received += 1
+            self.notifies += received
+            if not received:
+                self.timeouts += 1
+
+    def _drain(self) -> None:
+        conn = self.conn
+        empty_since: float | None = None
+        while not self._halt.is_set():
+            if self.paused.is_set():
+                time.sleep(0.01)
+                continue
+            rows = conn.execute("SELECT * FROM pgbroker.outbox_fetch(%s, 1000)", (self.lease,)).fetchall()
+            if rows:
+                now = time.perf_counter()
+                if self.on_rows is not None:
+                    self.on_rows(rows, now)
+                self.fetches += 1
+                self.delivered += len(rows)  # counted before the ack: wait_drained() then sees the count
+                conn.execute("SELECT pgbroker.outbox_ack(%s, %s)", (self.lease, [r[0] for r in rows]))
+                empty_since = None
+                continue
+            now = time.perf_counter()
+            if empty_since is None:
+                empty_since = now
+            elif now - empty_since >= self.linger:
+                return
+            time.sleep(0.001)
+
+    def stop(self, release: bool = True) -> None:
+        self._halt.set()
+        self.join(self.poll + 10)
+        if self.is_alive():
+            raise RuntimeError("the broker thread did not stop")
+        if release:
+            self.conn.execute("SELECT pgbroker.broker_release(%s)", (self.lease,))
+        self.conn.close()
+        if self.error is not None:
+            raise RuntimeError("the broker thread failed") from self.error
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("the broker thread failed") from self.error
+        if not self.is_alive():
+            raise RuntimeError("the broker thread is gone")
+
+
+def wait_drained(conn: psycopg.Connection, broker: DrainingBroker, timeout: float = 30.0) -> None:
+    """Wait until the outbox of the broker's lease is empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        broker.check()
+        left = conn.execute("SELECT count(*) FROM pgbroker.outbox WHERE name = %s", (broker.lease,)).fetchone()[0]
+        if left == 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{left} outbox rows still pending after {timeout} s")
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------
+# Set-up helpers.
+
+
+def make_table(conn: psycopg.Connection, table: str, rows: int) -> None:
+    conn.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, val integer NOT NULL DEFAULT 0, payload text)")
+    conn.execute(
+        f"INSERT INTO {table} (id, val, payload) SELECT g, 0, md5(g::text) || md5((g + 1)::text)"
+        " FROM generate_series(1, %s) g",
+        (rows,),
+    )
+
+
+def register_clients(conn: psycopg.Connection, lease: str, epoch: int, prefix: str, first: int, last: int) -> float:
+    """Register clients prefix||first .. prefix||last with the API (from another session, with the epoch)."""
+    start = time.perf_counter()
+    batch = 2000
+    for lo in range(first, last + 1, batch):
+        hi = min(last, lo + batch - 1)
+        with conn.transaction():
+            n = conn.execute(
+                "SELECT count(*) FILTER (WHERE r) FROM generate_series(%s::int, %s::int) g,"
+                " LATERAL pgbroker.client_register(%s || g, jsonb_build_object('n', g), %s, %s) r",
+                (lo, hi, prefix, lease, epoch),
+            ).fetchone()[0]
+        assert n == hi - lo + 1, (n, lo, hi)
+    return time.perf_counter() - start
+
+
+def subscribe_all(conn: psycopg.Connection, lease: str, epoch: int, table: str, pairs_sql: str,
+                  ranges: Sequence[tuple[int, int]]) -> tuple[int, float]:  # fmt: skip
+    """Subscribe with the API, one transaction per range: pairs_sql(lo, hi) yields (client_id text, row_id bigint)."""
+    start = time.perf_counter()
+    total = 0
+    for lo, hi in ranges:
+        with conn.transaction():
+            total += conn.execute(
+                f"SELECT count(*) FILTER (WHERE s) FROM ({pairs_sql}) p(client_id, row_id),"
+                f" LATERAL pgbroker.subscribe(p.client_id, %s::regclass, to_jsonb(p.row_id), %s, %s) s",
+                (lo, hi, table, lease, epoch),
+            ).fetchone()[0]
+    return total, time.perf_counter() - start
+
+
+def split(first: int, last: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-(last - first + 1) // parts)
+    return [(lo, min(last, lo + step - 1)) for lo in range(first, last + 1, step)]
+
+
+def vacuum(conn: psycopg.Connection, *tables: str) -> None:
+    conn.execute(f"VACUUM {', '.join(tables)}")
+
+
+# ---------------------------------------------------------------------------
+# pgbench
+
+
+def _pgbench() -> str | None:
+    beside = find_pg_bin() / "pgbench"
+    return str(beside) if beside.exists() else shutil.which("pgbench")
+
+
+class PgBench:
+    def __init__(self, server: EmbeddedPostgres, dbname: str, tmp: Path):
+        exe = _pgbench()
+        if exe is None:
+            raise FileNotFoundError("pgbench not found (install postgresql-contrib / the server package)")
+        self.exe = exe
+        self.server = server
+        self.dbname = dbname
+        self.tmp = tmp
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+
+    def tps(self, name: str, script: str, clients: int, seconds: float) -> float:
+        path = self.tmp / f"{name}.sql"
+        path.write_text(script)
+        server = ["-h", self.server.host, "-p", str(self.server.port), "-U", "postgres", self.dbname]
+        duration = str(max(1, round(seconds)))
+        cmd = [self.exe, "-n", "-c", str(clients), "-j", str(clients), "-T", duration, "-f", str(path), *server]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=seconds + 60)
+        match = re.search(r"tps = ([0-9.]+)", out.stdout)
+        if out.returncode != 0 or match is None:
+            raise RuntimeError(f"pgbench failed ({name}):\n{out.stdout}\n{out.stderr}")
+        return float(match.group(1))
+
+
+def update_script(table: str, rows: int) -> str:
+    return f"\\set id random(1, {rows})\nUPDATE {table} SET val = val + 1 WHERE id = :id;\n"
+
+
+# ---------------------------------------------------------------------------
+# 1. UPDATE throughput, watched vs plain, broker draining.
+
+
+def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: PgBench, cfg: Settings,
+                     results: Results) -> None:  # fmt: skip
+    print("1. UPDATE throughput, 1,000 rows, 10 subscribers per row, broker draining", flush=True)
+    # "paused": the broker stays awake (writers send no NOTIFY) but does not drain: the triggers' cost alone.
+    # "proto": bench.proto with a minimal statement-level trigger (see setup_fixture), not drained: what a bare
+    # INSERT ... SELECT from the NEW TABLE joined to pgbroker.interest costs on this machine.
+    scripts = {
+        "plain": update_script("bench.plain", 1000),
+        "watched": update_script("bench.watched", 1000),
+        "paused": update_script("bench.watched", 1000),
+        "proto": update_script("bench.proto", 1000),
+    }
+    for writers in (1, 8):
+        tps: dict[str, list[float]] = {k: [] for k in scripts}
+        counts: Counter[str] = Counter()
+        transactions = 0.0
+        backlog = 0
+        for r in range(cfg.tps_rounds):
+            order = list(scripts)[r % len(scripts) :] + list(scripts)[: r % len(scripts)]
+            for variant in order:
+                vacuum(conn, "bench.plain", "bench.watched", "bench.proto", "pgbroker.outbox")
+                conn.execute("TRUNCATE bench.proto_outbox")
+                if variant == "paused":
+                    broker.paused.set()
+                before = broker.counters()
+                value = pgbench.tps(f"{variant}{writers}", scripts[variant], writers, cfg.tps_seconds)
+                after = broker.counters()
+                tps[variant].append(value)
+                if variant == "watched":
+                    backlog = max(backlog, conn.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0])
+                    wait_drained(conn, broker)
+                    after = broker.counters()
+                    counts.update({k: after[k] - before[k] for k in after})
+                    transactions += value * cfg.tps_seconds
+                broker.paused.clear()
+                wait_drained(conn, broker)
+                print(f"   {writers} writer(s) {variant:8s} {value:8.0f} tps", flush=True)
+        plain, watched, paused, proto = (statistics.median(tps[k]) for k in ("plain", "watched", "paused", "proto"))
+        ratio = watched / plain
+        s = "s" if writers > 1 else ""
+        results.figures[f"tps_ratio_{writers}"] = ratio
+        results.add(
+            f"UPDATE tps, {writers} writer{s} (pgbench)",
+            f"{watched:,.0f} tps",
+            f"{plain:,.0f} tps",
+            f"{ratio:.2f}x",
+            f">= {TPS_TARGET}x {_verdict(ratio >= TPS_TARGET)}",
+        )
+        results.add(
+            f"  same, broker awake but not draining, {writers} writer{s}",
+            f"{paused:,.0f} tps",
+            f"{plain:,.0f} tps",
+            f"{paused / plain:.2f}x",
+            "(info: triggers only)",
+        )
+        results.add(
+            f"  minimal stmt-trigger prototype, {writers} writer{s}",
+            f"{proto:,.0f} tps",
+            f"{plain:,.0f} tps",
+            f"{proto / plain:.2f}x",
+            "(info: reachable here)",
+        )
+        seconds = cfg.tps_seconds * cfg.tps_rounds
+        results.add(
+            f"  NOTIFYs received while draining, {writers} writer{s}",
+            f"{counts['notifies']:,} ({counts['notifies'] / seconds:,.1f}/s)",
+            f"~{transactions:,.0f} txns",
+            f"{counts['notifies'] / max(transactions, 1):.4f}/txn",
+            "<< 1/txn",
+        )
+        results.note(
+            f"{writers} writer(s), tps per round: "
+            + "; ".join(f"{k} {', '.join(f'{v:,.0f}' for v in vals)}" for k, vals in tps.items())
+        )
+        results.note(
+            f"{writers} writer(s), watched runs: delivered {counts['delivered']:,} outbox rows in {counts['fetches']:,}"
+            f" fetches ({counts['delivered'] / max(counts['fetches'], 1):.1f} rows/fetch); {counts['wakes']:,} wakes,"
+            f" sleeps asleep/pending/busy {counts['asleep']:,}/{counts['pending']:,}/{counts['busy']:,},"
+            f" poll timeouts {counts['timeouts']:,}; max backlog when pgbench stopped {backlog:,}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# 2. One 10,000-row UPDATE statement.
+
+BULK_ROWS = 10_000
+
+
+def _timed_statement(conn: psycopg.Connection, sql: str) -> tuple[float, int]:
+    """Run one statement in its own transaction; seconds for the statement alone (not the commit), rowcount."""
+    with conn.transaction():
+        start = time.perf_counter()
+        cur = conn.execute(sql)
+        elapsed = time.perf_counter() - start
+    return elapsed, cur.rowcount
+
+
+def bench_bulk(conn: psycopg.Connection, broker: DrainingBroker, watch_ids: dict[str, int], cfg: Settings,
+               results: Results) -> None:  # fmt: skip
+    print("2. one 10,000-row UPDATE statement", flush=True)
+    floor_sql = (
+        "INSERT INTO bench.floor_outbox (name, epoch, watch_id, op, row_key, changed, clients)"
+        f" SELECT '{BROKER}', {broker.epoch}, {watch_ids['bench.bulk_dense']}, 'U', to_jsonb(b.id), ARRAY['val'],"
+        " ARRAY[mod(b.id, 1000) + 1]::bigint[] FROM bench.bulk_plain b"
+    )
+    variants = {
+        "plain": ("UPDATE bench.bulk_plain SET val = val + 1", "bench.bulk_plain", 0),
+        "sparse": ("UPDATE bench.bulk_sparse SET val = val + 1", "bench.bulk_sparse", BULK_ROWS // 100),
+        "dense": ("UPDATE bench.bulk_dense SET val = val + 1", "bench.bulk_dense", BULK_ROWS),
+        "floor": (floor_sql, "bench.floor_outbox", None),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
+    for rep in range(cfg.bulk_reps + 1):  # the first is a warm-up
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for key in order:
+            sql, table, outbox_rows = variants[key]
+            before = broker.delivered
+            elapsed, rowcount = _timed_statement(conn, sql)
+            assert rowcount == BULK_ROWS, (key, rowcount)
+            if key == "floor":
+                conn.execute("DELETE FROM bench.floor_outbox")
+            else:
+                wait_drained(conn, broker)
+                got = broker.delivered - before
+                assert got == outbox_rows, f"{key}: {got} outbox rows delivered, expected {outbox_rows}"
+            vacuum(conn, table, "pgbroker.outbox")
+            if rep > 0:
+                times[key].append(elapsed)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print("   medians: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in med.items()), flush=True)
+    ratio = med["sparse"] / med["plain"]
+    results.figures["bulk_sparse_ratio"] = ratio
+    results.add(
+        "10k-row UPDATE, 1% rows subscribed",
+        f"{med['sparse'] * 1000:.1f} ms",
+        f"{med['plain'] * 1000:.1f} ms",
+        f"{ratio:.2f}x",
+        f"<= {BULK_TARGET}x {_verdict(ratio <= BULK_TARGET)}",
+    )
+    ratio = med["dense"] / med["plain"]
+    results.add(
+        "10k-row UPDATE, every row subscribed",
+        f"{med['dense'] * 1000:.1f} ms",
+        f"{med['plain'] * 1000:.1f} ms",
+        f"{ratio:.2f}x",
+        "(info)",
+    )
+    per_row = (med["dense"] - med["plain"]) / BULK_ROWS
+    floor_per_row = med["floor"] / BULK_ROWS
+    ratio = per_row / floor_per_row
+    results.figures["bulk_per_row_ratio"] = ratio
+    results.add(
+        "  cost per outbox row (dense-plain vs INSERT..SELECT)",
+        f"{per_row * 1e6:.2f} us",
+        f"{floor_per_row * 1e6:.2f} us",
+        f"{ratio:.2f}x",
+        f"<= {PER_ROW_TARGET}x {_verdict(ratio <= PER_ROW_TARGET)}",
+    )
+
+
+# ---------------------------------------------------------------------------
+# 3. Commit-to-handler latency.
+
+
+def bench_latency(url: str, conn: psycopg.Connection, broker: DrainingBroker, cfg: Settings, results: Results) -> None:
+    print(f"3. commit-to-handler latency, {cfg.latency_rate:.0f} writes/s for {cfg.latency_seconds:.0f} s", flush=True)
+    count = min(1000, round(cfg.latency_rate * cfg.latency_seconds))
+    committed: dict[int, float] = {}
+    seen: dict[int, float] = {}
+    floor_committed: dict[int, float] = {}
+    floor_seen: dict[int, float] = {}
+
+    def on_rows(rows: list[tuple[Any, ...]], now: float) -> None:
+        for row in rows:  # id, table, op, key, changed, clients, at
+            if row[1] == "bench.watched" and row[2] == "U":
+                seen.setdefault(int(row[3]), now)
+
+    # The Python Broker (pgbroker.broker.Broker.notifications(), when it exists) on its own lease "py",
+    # whose one client is subscribed to the same rows: every write reaches both brokers.
+    api_seen: dict[int, float] = {}
+    api = _start_api_consumer(url, count, api_seen)
+
+    listener = psycopg.connect(url, autocommit=True)
+    listener.execute("LISTEN bench_floor")
+    listening = threading.Event()
+    stop = threading.Event()
+
+    def listen() -> None:
+        listening.set()
+        while not stop.is_set() and len(floor_seen) < count:
+            for n in listener.notifies(timeout=0.2):
+                floor_seen.setdefault(int(n.payload), time.perf_counter())
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    listening.wait(5)
+    wait_drained(conn, broker)
+    before = broker.counters()
+    broker.on_rows = on_rows
+    period = 1.0 / cfg.latency_rate
+    try:
+        with psycopg.connect(url, autocommit=True) as writer, psycopg.connect(url) as floor_writer:
+            next_at = time.perf_counter()
+            for i in range(count):
+                key = i + 1
+                # pgbroker: an autocommit UPDATE of a row with 10 subscribers.
+                writer.execute("UPDATE bench.watched SET val = val + 1 WHERE id = %s", (key,))
+                committed[key] = time.perf_counter()
+                time.sleep(period / 2)
+                # Floor: the same UPDATE on the unwatched table plus a NOTIFY, one transaction.
+                floor_writer.execute("UPDATE bench.plain SET val = val + 1 WHERE id = %s", (key,))
+                floor_writer.execute("SELECT pg_notify('bench_floor', %s)", (str(key),))
+                floor_writer.commit()
+                floor_committed[key] = time.perf_counter()
+                next_at += period
+                time.sleep(max(0.0, next_at - time.perf_counter()))
+        deadline = time.monotonic() + 5
+        while (len(seen) < count or len(floor_seen) < count or (api and len(api_seen) < count)) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
+    finally:
+        if api is not None:
+            api()
+        broker.on_rows = None
+        stop.set()
+        thread.join(5)
+        listener.close()
+    after = broker.counters()
+    if len(seen) < count or len(floor_seen) < count:
+        raise RuntimeError(f"latency: broker saw {len(seen)}/{count}, floor listener {len(floor_seen)}/{count}")
+    ours = [(seen[k] - committed[k]) * 1000 for k in committed]
+    floor = [(floor_seen[k] - floor_committed[k]) * 1000 for k in floor_committed]
+    for label, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)):
+        a, b = _percentile(ours, q), _percentile(floor, q)
+        results.figures[f"latency_{label}_ms"] = a
+        target = ""
+        if label == "p99":
+            target = f"< {LATENCY_P99_TARGET_MS:.0f} ms {_verdict(a < LATENCY_P99_TARGET_MS)}"
+        results.add(
+            f"commit-to-handler latency {label} (n={count})",
+            f"{a:.2f} ms",
+            f"{b:.2f} ms",
+            f"{a / b:.2f}x" if b > 0 else "-",
+            target,
+        )
+    if api is not None:
+        if len(api_seen) < count:
+            raise RuntimeError(f"latency: Broker.notifications() saw {len(api_seen)}/{count}")
+        via_api = [(api_seen[k] - committed[k]) * 1000 for k in committed]
+        for label, q in (("p50", 0.5), ("p99", 0.99)):
+            a, b = _percentile(via_api, q), _percentile(floor, q)
+            results.figures[f"latency_api_{label}_ms"] = a
+            target = f"< {LATENCY_P99_TARGET_MS:.0f} ms {_verdict(a < LATENCY_P99_TARGET_MS)}" if label == "p99" else ""
+            results.add(
+                f"  same via Broker.notifications() {label}",
+                f"{a:.2f} ms",
+                f"{b:.2f} ms",
+                f"{a / b:.2f}x" if b > 0 else "-",
+                target,
+            )
+    results.note(
+        f"latency run: {after['notifies'] - before['notifies']} NOTIFYs received and"
+        f" {after['timeouts'] - before['timeouts']} poll timeouts for {count} writes (an idle broker is woken by each);"
+        f" {sum(1 for v in ours if v < 0)} samples negative (handler ran before the writer's commit call returned)"
+    )
+
+
+def _start_api_consumer(url: str, count: int, seen: dict[int, float]) -> Callable[[], None] | None:
+    """Consume lease "py" with pgbroker.broker.Broker.notifications() in a thread; returns a stop function."""
+    try:
+        from pgbroker.broker import Broker
+    except ImportError:
+        return None
+    if not hasattr(Broker, "notifications"):
+        return None
+    broker = Broker(url, name="py")
+    broker.claim()
+    broker.register("py-client")
+    with psycopg.connect(url, autocommit=True) as conn:
+        epoch = broker.epoch
+        pairs = "SELECT 'py-client', g FROM generate_series(%s::int, %s::int) g"
+        subscribe_all(conn, "py", epoch, "bench.watched", pairs, [(1, count)])
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            for batch in broker.notifications(poll_interval=POLL, linger=LINGER):
+                now = time.perf_counter()
+                for n in batch:
+                    if n.table == "bench.watched" and n.op == "U":
+                        seen.setdefault(int(n.key), now)
+                if stop.is_set() or len(seen) >= count:
+                    break
+        except BaseException as exc:  # reported by stop
+            errors.append(exc)
+
+    thread = threading.Thread(target=consume, name="broker-py", daemon=True)
+    thread.start()
+
+    def finish() -> None:
+        stop.set()
+        thread.join(POLL + 5)
+        broker.close()
+        if errors:
+            raise RuntimeError("Broker.notifications() failed") from errors[0]
+
+    return finish
+
+
+# ---------------------------------------------------------------------------
+# 4. Scale: cost of a single-row update with few vs many clients.
+
+SCALE_ROWS = 100_000
+
+
+def _statement_latencies(conn: psycopg.Connection, tables: Sequence[str], n: int) -> dict[str, list[float]]:
+    """Seconds per single-row UPDATE statement, tables interleaved (each its own transaction, commit not timed)."""
+    out: dict[str, list[float]] = {t: [] for t in tables}
+    rng = random.Random(42)
+    for _ in range(n):
+        key = rng.randint(1, 1000)
+        for table in tables:
+            with conn.transaction():
+                start = time.perf_counter()
+                conn.execute(f"UPDATE {table} SET val = val + 1 WHERE id = %s", (key,))
+                out[table].append(time.perf_counter() - start)
+    return out
+
+
+def bench_scale(url: str, conn: psycopg.Connection, pgbench: PgBench, cfg: Settings, results: Results) -> None:
+    print("4. scale: 100 clients / 2,000 subscriptions vs 10,000 clients / 200,000 subscriptions", flush=True)
+    broker = DrainingBroker(url, BROKER)  # a new epoch: the clients of parts 1-3 are gone
+    broker.start()
+    try:
+        left = conn.execute(
+            "SELECT count(*), count(s.*) FROM pgbroker.client c LEFT JOIN pgbroker.subscription s USING (client_key)"
+            " WHERE c.name = %s",
+            (BROKER,),
+        ).fetchone()
+        assert left == (0, 0), f"the new claim left clients/subscriptions behind: {left}"
+        vacuum(conn, "pgbroker.client", "pgbroker.subscription", "pgbroker.interest", "pgbroker.outbox")
+        scripts = {"scale": update_script("bench.scale", 1000), "plain": update_script("bench.plain", 1000)}
+        measured: dict[str, dict[str, float]] = {}
+        for phase, first, last in (("small", 0, 99), ("large", 100, 9999)):
+            seconds = register_clients(conn, BROKER, broker.epoch, "s", first, last)
+            # Client k subscribes to 20 rows; the first 100 clients cover rows 1..1000 twice,
+            # the others rows 1001..100000 twice: every subscribed row has two subscribers.
+            pairs = (
+                "SELECT 's' || k, CASE WHEN k < 100 THEN mod(k * 20 + j, 1000) + 1"
+                " ELSE 1001 + mod((k - 100) * 20 + j, 99000) END"
+                " FROM generate_series(%s::int, %s::int) k, generate_series(0, 19) j"
+            )
+            ranges = split(first, last, max(1, (last - first + 1) // 250))  # ~5,000 subscriptions per transaction
+            subs, sub_seconds = subscribe_all(conn, BROKER, broker.epoch, "bench.scale", pairs, ranges)
+            totals = conn.execute(
+                "SELECT (SELECT count(*) FROM pgbroker.client), (SELECT count(*) FROM pgbroker.subscription),"
+                " (SELECT count(*) FROM pgbroker.interest)"
+            ).fetchone()
+            results.note(
+                f"{phase}: registered {last - first + 1:,} clients in {seconds:.1f} s, subscribed {subs:,} in"
+                f" {sub_seconds:.1f} s ({subs / sub_seconds:,.0f}/s); now {totals[0]:,} clients,"
+                f" {totals[1]:,} subscriptions, {totals[2]:,} interest rows (all brokers)"
+            )
+            vacuum(conn, "pgbroker.client", "pgbroker.subscription", "pgbroker.interest", "bench.scale")
+            conn.execute("ANALYZE pgbroker.client, pgbroker.subscription, pgbroker.interest")
+            conn.execute("CHECKPOINT")
+            tables = ("bench.scale", "bench.plain")
+            _statement_latencies(conn, tables, 50)  # warm-up
+            lat = _statement_latencies(conn, tables, cfg.scale_statements)
+            wait_drained(conn, broker)
+            tps: dict[str, list[float]] = {"scale": [], "plain": []}
+            for r in range(cfg.scale_rounds):
+                for key in ("scale", "plain") if r % 2 == 0 else ("plain", "scale"):
+                    vacuum(conn, "bench.scale", "bench.plain", "pgbroker.outbox")
+                    tps[key].append(pgbench.tps(f"scale_{phase}_{key}", scripts[key], 1, cfg.scale_seconds))
+                    wait_drained(conn, broker)
+            stmt, stmt_plain = statistics.median(lat["bench.scale"]), statistics.median(lat["bench.plain"])
+            tps_scale, tps_plain = statistics.fmean(tps["scale"]), statistics.fmean(tps["plain"])
+            measured[phase] = {"stmt": stmt, "extra": stmt - stmt_plain, "tps": tps_scale, "rel": tps_scale / tps_plain}
+            print(f"   {phase}: UPDATE statement p50 {stmt * 1000:.3f} ms (unwatched {stmt_plain * 1000:.3f} ms),"
+                  f" {tps_scale:,.0f} tps at 1 writer (unwatched {tps_plain:,.0f})", flush=True)  # fmt: skip
+        small, large = measured["small"], measured["large"]
+        ratio = large["stmt"] / small["stmt"]
+        results.figures["scale_stmt_ratio"] = ratio
+        results.add(
+            "single-row UPDATE p50, 10k vs 100 clients",
+            f"{large['stmt'] * 1000:.3f} ms",
+            f"{small['stmt'] * 1000:.3f} ms",
+            f"{ratio:.2f}x",
+            f"~1x (<= {SCALE_TARGET}x) {_verdict(ratio <= SCALE_TARGET)}",
+        )
+        results.add(
+            "  its extra over the unwatched UPDATE",
+            f"{large['extra'] * 1000:.3f} ms",
+            f"{small['extra'] * 1000:.3f} ms",
+            f"{large['extra'] / small['extra']:.2f}x" if small["extra"] > 0 else "-",
+            "(info)",
+        )
+        ratio = large["rel"] / small["rel"]
+        results.figures["scale_tps_ratio"] = ratio
+        results.add(
+            "UPDATE tps at 1 writer / unwatched tps, 10k vs 100",
+            f"{large['rel']:.2f} ({large['tps']:,.0f} tps)",
+            f"{small['rel']:.2f} ({small['tps']:,.0f} tps)",
+            f"{ratio:.2f}x",
+            f"~1x (>= {1 / SCALE_TARGET:.2f}x) {_verdict(ratio >= 1 / SCALE_TARGET)}",
+        )
+    finally:
+        broker.stop()
+
+
+# ---------------------------------------------------------------------------
+# Plans of the generated trigger functions' queries (--explain).
+
+
+def explain_triggers(conn: psycopg.Connection) -> None:
+    """Print auto_explain plans of the nested statements run by the watch triggers (changes rolled back)."""
+    print("\n--- auto_explain of the trigger queries (each statement rolled back) ---", flush=True)
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    conn.execute("LOAD 'auto_explain'")
+    for setting, value in (("log_min_duration", "0"), ("log_analyze", "on"), ("log_nested_statements", "on"),
+                           ("log_buffers", "on"), ("log_timing", "on"), ("log_level", "notice")):  # fmt: skip
+        conn.execute(f"SET auto_explain.{setting} = '{value}'")
+    for label, sql in (
+        ("single-row UPDATE, 10 subscribers", "UPDATE bench.watched SET val = val + 1 WHERE id = 7"),
+        ("10k-row UPDATE, 1% subscribed", "UPDATE bench.bulk_sparse SET val = val + 1"),
+        ("10k-row UPDATE, every row subscribed", "UPDATE bench.bulk_dense SET val = val + 1"),
+    ):
+        notices.clear()
+        try:
+            with conn.transaction():
+                conn.execute(sql)
+                raise psycopg.Rollback()
+        except psycopg.Rollback:
+            pass
+        print(f"\n### {label}: {sql}")
+        for text in notices:
+            if "pgbroker.outbox" in text or "pgbroker.interest" in text:
+                print(text)
+    conn.execute("RESET ALL")
+
+
+# ---------------------------------------------------------------------------
+
+
+def setup_fixture(conn: psycopg.Connection, broker: DrainingBroker) -> tuple[dict[str, int], list[str]]:
+    notes = []
+    conn.execute("CREATE SCHEMA bench")
+    for table, rows in (("bench.plain", 1000), ("bench.watched", 1000), ("bench.bulk_plain", BULK_ROWS),
+                        ("bench.bulk_sparse", BULK_ROWS), ("bench.bulk_dense", BULK_ROWS),
+                        ("bench.scale", SCALE_ROWS)):  # fmt: skip
+        make_table(conn, table, rows)
+    conn.execute("CREATE UNLOGGED TABLE bench.floor_outbox (LIKE pgbroker.outbox INCLUDING ALL)")
+    make_table(conn, "bench.proto", 1000)
+    conn.execute("CREATE UNLOGGED TABLE bench.proto_outbox (LIKE pgbroker.outbox INCLUDING ALL)")
+    watch_ids = {
+        t: conn.execute("SELECT pgbroker.watch(%s)", (t,)).fetchone()[0]
+        for t in ("bench.watched", "bench.bulk_sparse", "bench.bulk_dense", "bench.scale")
+    }
+    # The prototype reads the interest rows of bench.watched (10 subscribers per row): no locks, no wake-up,
+    # no old/new join, no changed columns, no SECURITY DEFINER.
+    conn.execute(f"""
+        CREATE FUNCTION bench.proto_trigger() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO bench.proto_outbox (name, epoch, watch_id, op, row_key, changed, clients)
+            SELECT i.name, i.epoch, i.watch_id, 'U', i.row_key, ARRAY['val'], i.clients
+              FROM pgbroker_new n JOIN pgbroker.interest i
+                ON i.watch_id = {watch_ids["bench.watched"]} AND i.row_key = to_jsonb(n.id);
+            RETURN NULL;
+        END $$""")
+    conn.execute(
+        "CREATE TRIGGER proto AFTER UPDATE ON bench.proto REFERENCING NEW TABLE AS pgbroker_new"
+        " FOR EACH STATEMENT EXECUTE FUNCTION bench.proto_trigger()"
+    )
+    seconds = register_clients(conn, BROKER, broker.epoch, "c", 0, 999)
+    # bench.watched: client k subscribes to rows (10k + j) % 1000 + 1, j < 10: 10 subscribers per row.
+    subs, sub_seconds = subscribe_all(
+        conn, BROKER, broker.epoch, "bench.watched",
+        "SELECT 'c' || k, mod(k * 10 + j, 1000) + 1 FROM generate_series(%s::int, %s::int) k, generate_series(0, 9) j",
+        split(0, 999, 2),
+    )  # fmt: skip
+    assert subs == 10_000, subs
+    # bench.bulk_sparse: rows 100, 200, ... (1%) one subscriber each; bench.bulk_dense: every row one.
+    sparse, _ = subscribe_all(
+        conn, BROKER, broker.epoch, "bench.bulk_sparse",
+        "SELECT 'c' || mod(r, 1000), r FROM generate_series(%s::int, %s::int) r WHERE mod(r, 100) = 0",
+        [(1, BULK_ROWS)],
+    )  # fmt: skip
+    dense, dense_seconds = subscribe_all(
+        conn, BROKER, broker.epoch, "bench.bulk_dense",
+        "SELECT 'c' || mod(r, 1000), r FROM generate_series(%s::int, %s::int) r",
+        split(1, BULK_ROWS, 2),
+    )  # fmt: skip
+    assert (sparse, dense) == (BULK_ROWS // 100, BULK_ROWS), (sparse, dense)
+    notes.append(
+        f"set-up: 1,000 clients registered in {seconds:.1f} s; {subs + sparse + dense:,} subscriptions in"
+        f" {sub_seconds + dense_seconds:.1f} s+"
+    )
+    conn.execute("VACUUM ANALYZE")
+    conn.execute("CHECKPOINT")
+    return watch_ids, notes
+
+
+def run(cfg: Settings) -> Results:
+    results = Results()
+    started = time.monotonic()
+    with EmbeddedPostgres(postgres_options=DURABLE) as server, tempfile.TemporaryDirectory(prefix="pgbr-fan-") as tmp:
+        with psycopg.connect(server.url, autocommit=True) as admin:
+            admin.execute("CREATE DATABASE bench")
+        url = server.url_for("bench")
+        install.migrate(url)
+        pgbench = PgBench(server, "bench", Path(tmp))
+        with psycopg.connect(url, autocommit=True) as conn:
+            settings = {
+                name: conn.execute(f"SHOW {name}").fetchone()[0]
+                for name in ("server_version", "fsync", "synchronous_commit", "full_page_writes")
+            }
+            print(
+                "server: PostgreSQL {server_version}, fsync={fsync}, synchronous_commit={synchronous_commit}, "
+                "full_page_writes={full_page_writes}; ".format(**settings)
+                + f"{os.cpu_count()} CPUs; broker linger {LINGER * 1000:.0f} ms, poll {POLL * 1000:.0f} ms",
+                flush=True,
+            )
+            assert settings["fsync"] == "on" and settings["synchronous_commit"] == "on", settings
+            broker = DrainingBroker(url, BROKER)
+            watch_ids, notes = setup_fixture(conn, broker)
+            for text in notes:
+                results.note(text)
+            broker.start()
+            try:
+                bench_throughput(conn, broker, pgbench, cfg, results)
+                bench_bulk(conn, broker, watch_ids, cfg, results)
+                bench_latency(url, conn, broker, cfg, results)
+                if cfg.explain:
+                    explain_triggers(conn)
+            finally:
+                broker.stop()
+            bench_scale(url, conn, pgbench, cfg, results)
+    results.figures["seconds"] = time.monotonic() - started
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, noisier figures)")
+    parser.add_argument("--explain", action="store_true", help="also print auto_explain plans of the trigger queries")
+    args = parser.parse_args(argv)
+    cfg = Settings.quick() if args.quick else Settings()
+    cfg.explain = args.explain
+    results = run(cfg)
+    print()
+    print(results.table())
+    print(
+        f"\n(floor: the same work unwatched, or the plain SQL named in the metric; whole run"
+        f" {results.figures['seconds']:.0f} s; targets missed: {', '.join(results.missed) or 'none'})"
+    )
+    return 0
+
+
+def test_bench_fanout() -> None:
+    """pytest entry point (tests/benchmarks is ignored by the default run): prints the table."""
+    results = run(Settings.quick())
+    print()
+    print(results.table())
+    assert results.figures["tps_ratio_1"] > 0 and results.figures["latency_p50_ms"] > 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
