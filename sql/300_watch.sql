@@ -19,7 +19,7 @@ CREATE TABLE pgbroker.watched (
     key_columns text[] NOT NULL,
     key_types regtype[] NOT NULL,
     watched_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
-    -- Bumped by every subscribe: REPEATABLE READ writers check it (see _watch_enter).
+    -- Bumped by every subscribe: REPEATABLE READ writers lock this row FOR SHARE (see _watch_install).
     generation bigint NOT NULL DEFAULT 0
 );
 COMMENT ON TABLE pgbroker.watched IS 'Tables watched by pgbroker.watch(). Internal: read the view pgbroker.watched_tables.';
@@ -194,28 +194,6 @@ COMMENT ON FUNCTION pgbroker.wakeup_channel(text) IS
 $$The LISTEN channel on which the broker of lease NAME is woken: 'pgbroker_wakeup_' followed by the lease's number
 (never user text, so no quoting or length issue); the payload is the lease name. NULL before the first claim.$$;
 
-CREATE FUNCTION pgbroker._wake(p_names text[])
-RETURNS void
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    v_name text;
-    v_key integer;
-BEGIN
-    FOR v_name, v_key IN SELECT l.name, l.lock_key FROM pgbroker.lease l WHERE l.name = ANY (p_names) LOOP
-        PERFORM pg_advisory_xact_lock_shared(pgbroker._lock_class_drain(), v_key);
-        IF pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), v_key) THEN
-            -- Nobody is awake: wake the broker (NOTIFY folds duplicates within a transaction).
-            PERFORM pg_advisory_unlock_shared(pgbroker._lock_class_awake(), v_key);
-            PERFORM pg_notify('pgbroker_wakeup_' || v_key, v_name);
-        END IF;
-    END LOOP;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._wake(text[]) IS
-    'Internal (watch triggers): NOTIFY the brokers among p_names that are not awake; hold their drain lock shared until commit.';
-
 CREATE FUNCTION pgbroker._awake_held(p_key integer)
 RETURNS boolean
 LANGUAGE sql STABLE
@@ -295,27 +273,6 @@ Returns 'asleep' (outbox empty: LISTEN on wakeup_channel(NAME) and wait), 'pendi
 or 'busy' (a writer transaction still open after WAIT: still awake; poll again soon).$$;
 
 -- ---------------------------------------------------------------------------
--- Writers' side: taken by every watch trigger before it reads pgbroker.interest.
-CREATE FUNCTION pgbroker._watch_enter(p_watch_id integer)
-RETURNS void
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    -- Shared against subscribe's exclusive lock: a subscription commits
-    -- either before this read (and is seen) or after this transaction.
-    PERFORM pg_advisory_xact_lock_shared(pgbroker._lock_class_watch(), p_watch_id);
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        -- A snapshot older than a committed subscribe would miss it; FOR SHARE
-        -- on the row subscribe updates raises 40001 (serialization_failure) then.
-        PERFORM FROM pgbroker.watched WHERE watch_id = p_watch_id FOR SHARE;
-    END IF;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._watch_enter(integer) IS
-    'Internal (watch triggers): order this writer against concurrent subscribes to the same table.';
-
--- ---------------------------------------------------------------------------
 -- Watching a table.
 
 CREATE FUNCTION pgbroker._watch_install(p_watch pgbroker.watched)
@@ -339,10 +296,34 @@ DECLARE
     v_changed_expr text;
     v_fn text;
     v_body text;
+    -- Every trigger starts by ordering itself against subscribe (the watch
+    -- lock, shared; REPEATABLE READ writers also lock the watched row FOR
+    -- SHARE, which raises 40001 if a subscribe committed after their
+    -- snapshot) and ends by waking the brokers it wrote to that are asleep
+    -- (holding their drain lock shared until commit; see "Wake-ups").  The
+    -- lock classes are literals here: 1885823603, 1885823607 and 1885823585
+    -- are pgbroker._lock_class_watch(), _lock_class_drain() and
+    -- _lock_class_awake().
+    v_head text := $h$
+DECLARE
+    v_names text[];
+    v_name text;
+    v_key integer;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(1885823603, %1$s);
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM FROM pgbroker.watched WHERE watch_id = %1$s FOR SHARE;
+    END IF;
+$h$;
     v_tail text := $t$
-    SELECT array_agg(DISTINCT name) INTO v_names FROM ins;
     IF v_names IS NOT NULL THEN
-        PERFORM pgbroker._wake(v_names);
+        FOR v_name, v_key IN SELECT l.name, l.lock_key FROM pgbroker.lease l WHERE l.name = ANY (v_names) LOOP
+            PERFORM pg_advisory_xact_lock_shared(1885823607, v_key);
+            IF pg_try_advisory_lock_shared(1885823585, v_key) THEN
+                PERFORM pg_advisory_unlock_shared(1885823585, v_key);
+                PERFORM pg_notify('pgbroker_wakeup_' || v_key, v_name);
+            END IF;
+        END LOOP;
     END IF;
     RETURN NULL;
 END
@@ -384,11 +365,7 @@ BEGIN
                        format('CASE WHEN %s OR %s THEN NULL ELSE %s END', v_n_null, v_o_null, v_changed))
     LOOP
         v_fn := format('pgbroker._watch_%s_%s', v_id, v_kind);
-        v_body := format($b$
-DECLARE
-    v_names text[];
-BEGIN
-    PERFORM pgbroker._watch_enter(%1$s);
+        v_body := format(v_head, v_id) || format($b$
     IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = %1$s AND row_key = 'null'::jsonb) THEN
         WITH ins AS (
             INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -416,12 +393,7 @@ BEGIN
             RETURNING name)
         SELECT array_agg(DISTINCT name) INTO v_names FROM ins;
     END IF;
-    IF v_names IS NOT NULL THEN
-        PERFORM pgbroker._wake(v_names);
-    END IF;
-    RETURN NULL;
-END
-$b$, v_id, v_from, v_op, v_key, v_changed_expr);
+$b$, v_id, v_from, v_op, v_key, v_changed_expr) || v_tail;
         EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
                        'SET search_path = pg_catalog, pg_temp AS %L', v_fn, v_body);
         EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,
@@ -431,11 +403,7 @@ $b$, v_id, v_from, v_op, v_key, v_changed_expr);
 
     -- TRUNCATE: every client with any interest in the table hears of it.
     v_fn := format('pgbroker._watch_%s_trunc', v_id);
-    v_body := format($b$
-DECLARE
-    v_names text[];
-BEGIN
-    PERFORM pgbroker._watch_enter(%1$s);
+    v_body := format(v_head, v_id) || format($b$
     WITH ins AS (
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT i.name, max(i.epoch), %1$s, 'T', NULL, NULL,
@@ -445,6 +413,7 @@ BEGIN
          WHERE i.watch_id = %1$s
          GROUP BY i.name
         RETURNING name)
+    SELECT array_agg(DISTINCT name) INTO v_names FROM ins;
 $b$, v_id) || v_tail;
     EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
                    'SET search_path = pg_catalog, pg_temp AS %L', v_fn, v_body);

@@ -77,9 +77,9 @@ def test_reader_sees_the_views_and_nothing_else(connect, populated):
     for call in (
         "SELECT pgbroker.watch('initech.objects')",
         "SELECT pgbroker.unwatch('initech.objects')",
-        "SELECT pgbroker._wake('{default}')",
+        "SELECT pgbroker._awake_held(1)",
         "SELECT pgbroker._interest_remove(1, NULL, NULL)",
-        "SELECT pgbroker._watch_enter(1)",
+        "SELECT pgbroker._acting_epoch('default', 1)",
     ):
         assert denied(reader, call) == "42501", call
 
@@ -109,7 +109,7 @@ def test_writer_role_triggers_run_but_it_cannot_read_the_outbox(connect, populat
         assert denied(writer, f"SELECT * FROM pgbroker.{table}") == "42501", table
     assert denied(writer, "SELECT * FROM pgbroker.outbox_fetch('default', 10)") == "42501"
     assert denied(writer, "SELECT pgbroker._watch_1_upd()") == "42501"
-    assert denied(writer, "SELECT pgbroker._wake('{default}')") == "42501"
+    assert denied(writer, "SELECT pgbroker._awake_held(1)") == "42501"
     # A writer in REPEATABLE READ goes through the same (privileged) check.
     with writer.transaction():
         writer.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
