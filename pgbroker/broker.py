@@ -135,7 +135,9 @@ UNSUBSCRIBE_SQL = (
     'SELECT pgbroker.unsubscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, key => %(key)s,'
     " name => %(name)s)"
 )
-FETCH_SQL = 'SELECT id, "table", op, key, changed, clients, at FROM pgbroker.outbox_fetch(%(name)s, %(max_rows)s)'
+FETCH_SQL = (
+    'SELECT id, "table", op, key, changed, clients, at FROM pgbroker.outbox_fetch(%(name)s, %(max_rows)s, %(ack)s)'
+)
 ACK_SQL = "SELECT pgbroker.outbox_ack(%(name)s, %(ids)s)"
 WAKE_SQL = "SELECT pgbroker.broker_wake(%(name)s)"
 SLEEP_SQL = "SELECT pgbroker.broker_sleep(%(name)s)"
@@ -637,9 +639,13 @@ class Broker(_BrokerBase):
         params = {"client_id": client_id, "table": table, "key": _key_param(key), "name": self.name}
         return bool(self._execute(UNSUBSCRIBE_SQL, params)[0][0])
 
-    def fetch(self, max_rows: int = 1000) -> list[Notification]:
-        """Pending notifications, oldest first (``outbox_fetch``); they stay until :meth:`ack`."""
-        return [Notification(*row) for row in self._execute(FETCH_SQL, {"name": self.name, "max_rows": max_rows})]
+    def fetch(self, max_rows: int = 1000, *, ack: list[int] | None = None) -> list[Notification]:
+        """Pending notifications, oldest first (``outbox_fetch``); they stay until acknowledged.
+
+        ``ack``: ids to acknowledge first, in the same round trip (see :meth:`ack`).
+        """
+        params = {"name": self.name, "max_rows": max_rows, "ack": ack}
+        return [Notification(*row) for row in self._execute(FETCH_SQL, params)]
 
     def ack(self, ids: list[int]) -> int:
         """Acknowledge delivered notifications (``outbox_ack``); returns how many were removed."""
@@ -665,12 +671,14 @@ class Broker(_BrokerBase):
             listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
             self._execute(WAKE_SQL, {"name": self.name})
             idle_since: float | None = None
+            done: list[int] | None = None  # handled, not yet acknowledged
             while True:
                 self.check()
-                batch = self.fetch(max_rows)
+                batch = self.fetch(max_rows, ack=done)
+                done = None
                 if batch:
                     yield batch
-                    self.ack([n.id for n in batch])
+                    done = [n.id for n in batch]
                     idle_since = None
                     continue
                 now = time.monotonic()
@@ -924,9 +932,9 @@ class AsyncBroker(_BrokerBase):
         params = {"client_id": client_id, "table": table, "key": _key_param(key), "name": self.name}
         return bool((await self._execute(UNSUBSCRIBE_SQL, params))[0][0])
 
-    async def fetch(self, max_rows: int = 1000) -> list[Notification]:
+    async def fetch(self, max_rows: int = 1000, *, ack: list[int] | None = None) -> list[Notification]:
         """See :meth:`Broker.fetch`."""
-        rows = await self._execute(FETCH_SQL, {"name": self.name, "max_rows": max_rows})
+        rows = await self._execute(FETCH_SQL, {"name": self.name, "max_rows": max_rows, "ack": ack})
         return [Notification(*row) for row in rows]
 
     async def ack(self, ids: list[int]) -> int:
@@ -943,12 +951,14 @@ class AsyncBroker(_BrokerBase):
             await listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
             await self._execute(WAKE_SQL, {"name": self.name})
             idle_since: float | None = None
+            done: list[int] | None = None  # handled, not yet acknowledged
             while True:
                 self.check()
-                batch = await self.fetch(max_rows)
+                batch = await self.fetch(max_rows, ack=done)
+                done = None
                 if batch:
                     yield batch
-                    await self.ack([n.id for n in batch])
+                    done = [n.id for n in batch]
                     idle_since = None
                     continue
                 now = time.monotonic()

@@ -30,7 +30,9 @@ class PgBrokerError(Exception):
 
     sqlstate: str | None = None
 
-    def __init__(self, message: str, *, sqlstate: str | None = None, detail: str | None = None, hint: str | None = None):
+    def __init__(
+        self, message: str, *, sqlstate: str | None = None, detail: str | None = None, hint: str | None = None
+    ):
         super().__init__(message)
         if sqlstate is not None:
             self.sqlstate = sqlstate

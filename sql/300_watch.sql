@@ -645,7 +645,7 @@ COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
 -- ---------------------------------------------------------------------------
 -- Delivery.
 
-CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000)
+CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -657,6 +657,10 @@ DECLARE
 BEGIN
     IF outbox_fetch.max_rows IS NULL OR outbox_fetch.max_rows < 1 THEN
         RAISE EXCEPTION 'max_rows must be at least 1' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF outbox_fetch.ack IS NOT NULL THEN
+        -- Acknowledge the previous batch in the same round trip.
+        DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.id = ANY (outbox_fetch.ack);
     END IF;
     RETURN QUERY
     SELECT o.id, w.relid::regclass::text, o.op::text, o.row_key, o.changed,
@@ -672,10 +676,11 @@ BEGIN
      ORDER BY o.id;
 END
 $$;
-COMMENT ON FUNCTION pgbroker.outbox_fetch(text, integer) IS
+COMMENT ON FUNCTION pgbroker.outbox_fetch(text, integer, bigint[]) IS
 $$Holder only: up to MAX_ROWS pending notifications of lease NAME, oldest first (for any one row: in commit order).
 Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell), at.
-Rows stay until outbox_ack(): at-least-once delivery within the epoch.$$;
+Rows stay until acknowledged, by outbox_ack() or by passing their ids as ACK to the next outbox_fetch() (one round
+trip less): at-least-once delivery within the epoch.$$;
 
 CREATE FUNCTION pgbroker.outbox_ack(name text, ids bigint[])
 RETURNS bigint

@@ -62,7 +62,7 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.client_unregister(text, text, bigint),
     pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval),
     pgbroker.unsubscribe(text, regclass, jsonb, text, bigint),
-    pgbroker.outbox_fetch(text, integer),
+    pgbroker.outbox_fetch(text, integer, bigint[]),
     pgbroker.outbox_ack(text, bigint[]),
     pgbroker.broker_wake(text),
     pgbroker.broker_sleep(text, interval),

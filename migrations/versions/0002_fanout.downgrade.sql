@@ -6,7 +6,7 @@ DELETE FROM pgbroker.watched;
 DROP VIEW pgbroker.outbox_pending, pgbroker.subscriptions, pgbroker.watched_tables, pgbroker.clients;
 DROP FUNCTION
     pgbroker.outbox_ack(text, bigint[]),
-    pgbroker.outbox_fetch(text, integer),
+    pgbroker.outbox_fetch(text, integer, bigint[]),
     pgbroker.unsubscribe(text, regclass, jsonb, text, bigint),
     pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval),
     pgbroker._interest_remove(bigint, integer, jsonb),

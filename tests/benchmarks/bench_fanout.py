@@ -31,8 +31,8 @@ alternately with it:
    two subscribers in both cases).  Target: about 1x.
 
 The broker is a thread holding the lease on its own connection.  Its loop is
-plain psycopg calls to the SQL API: broker_wake(); outbox_fetch(max 1000) and
-outbox_ack() until the outbox stays empty for LINGER seconds (polled every
+plain psycopg calls to the SQL API: broker_wake(); outbox_fetch(max 1000, ack =>
+the previous batch) until the outbox stays empty for LINGER seconds (polled every
 millisecond); broker_sleep(); then wait on LISTEN for a NOTIFY or POLL seconds.
 
 Loopback only; bounded in count and time.  Prints a table.
@@ -200,18 +200,23 @@ class DrainingBroker(threading.Thread):
     def _drain(self) -> None:
         conn = self.conn
         empty_since: float | None = None
+        done: list[int] | None = None  # handled rows, acknowledged by the next fetch (one round trip)
         while not self._halt.is_set():
             if self.paused.is_set():
+                if done:
+                    conn.execute("SELECT pgbroker.outbox_ack(%s, %s)", (self.lease, done))
+                    done = None
                 time.sleep(0.01)
                 continue
-            rows = conn.execute("SELECT * FROM pgbroker.outbox_fetch(%s, 1000)", (self.lease,)).fetchall()
+            rows = conn.execute("SELECT * FROM pgbroker.outbox_fetch(%s, 1000, %s)", (self.lease, done)).fetchall()
+            done = None
             if rows:
                 now = time.perf_counter()
                 if self.on_rows is not None:
                     self.on_rows(rows, now)
                 self.fetches += 1
-                self.delivered += len(rows)  # counted before the ack: wait_drained() then sees the count
-                conn.execute("SELECT pgbroker.outbox_ack(%s, %s)", (self.lease, [r[0] for r in rows]))
+                self.delivered += len(rows)
+                done = [r[0] for r in rows]
                 empty_since = None
                 continue
             now = time.perf_counter()
