@@ -72,6 +72,7 @@ DURABLE = (
 )
 BROKER = "default"
 LINGER = 0.005  # seconds the broker keeps polling an empty outbox before it sleeps
+BATCH_DELAY = 0.002  # seconds the broker waits after a short batch (as Broker.notifications() does)
 POLL = 0.2  # seconds the sleeping broker waits for a NOTIFY before polling anyway
 
 TPS_TARGET = 0.75
@@ -218,6 +219,8 @@ class DrainingBroker(threading.Thread):
                 self.delivered += len(rows)
                 done = [r[0] for r in rows]
                 empty_since = None
+                if len(rows) < 1000:
+                    time.sleep(BATCH_DELAY)
                 continue
             now = time.perf_counter()
             if empty_since is None:
