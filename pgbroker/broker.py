@@ -77,6 +77,7 @@ the loss detection and the error translation.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import inspect
@@ -280,7 +281,7 @@ class _Waiter:
         self._wsock.close()
 
 
-class _BrokerBase:
+class _BrokerBase(abc.ABC):
     """What :class:`Broker` and :class:`AsyncBroker` share: settings, state, :meth:`check`."""
 
     def __init__(
@@ -341,9 +342,9 @@ class _BrokerBase:
         self._waiter: _Waiter | None = None
         self._setup()
 
+    @abc.abstractmethod
     def _setup(self) -> None:
         """The flavour's connection, lock and heartbeat runner."""
-        raise NotImplementedError
 
     # -- read-only view of the lease ---------------------------------------
 

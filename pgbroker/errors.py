@@ -61,7 +61,7 @@ class PermissionDenied(PgBrokerError):
 
 
 class InvalidArgument(PgBrokerError):
-    """22023 / 22004 / 22P02: a bad argument (empty or over-long name, negative wait, NULL...)."""
+    """22023 / 22004 / 22P02 / 42602: a bad argument (empty or long name, negative wait, NULL, bad identifier)."""
 
 
 class UnknownClient(PgBrokerError):
@@ -84,6 +84,7 @@ _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "22023": InvalidArgument,
     "22004": InvalidArgument,
     "22P02": InvalidArgument,
+    "42602": InvalidArgument,
     "PB010": UnknownClient,
     "PB020": NotWatchable,
     "42809": NotWatchable,
