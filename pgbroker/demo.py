@@ -3,8 +3,10 @@
 Broker A (a separate Python process) claims the lease; broker B is refused
 and told who holds it; B then waits; A is killed with SIGKILL; B takes over
 with the next epoch, and the time from the kill to B's claim is measured.
-A write fenced with A's old epoch is then refused.  Finally the brokers view
-and the lease history are printed.
+A write fenced with A's old epoch is then refused.  Then B registers a client
+and subscribes it to a row of initech.objects: an application's UPDATE of
+that row reaches B through the outbox.  Finally the brokers view and the
+lease history are printed.
 
 With no URL a throwaway PostgreSQL is started in a temporary directory
 (:class:`pgbroker._embedded.EmbeddedPostgres`; as the ``postgres`` OS user
@@ -190,6 +192,10 @@ def _demo(url: str, name: str) -> None:
             b.assert_epoch(admin)
         _say(f"   The same write fenced with B's epoch {b.epoch} passes.")
 
+        # 7. Fan-out: the database tells broker B which client must hear of a change.
+        if admin.execute("SELECT to_regclass('initech.objects')").fetchone()[0] is not None:
+            _fan_out(admin, b)
+
         _say()
         _say("pgbroker.brokers:")
         _say(format_table([r for r in list_brokers(admin) if r["name"] == name], BROKERS_COLUMNS, indent="  "))
@@ -198,6 +204,31 @@ def _demo(url: str, name: str) -> None:
         _say(format_table(lease_history(admin, name, last_id), HISTORY_COLUMNS, indent="  "))
         _say()
         _say(f"Takeover after SIGKILL of the holder: {took_ms:.1f} ms.")
+
+
+def _fan_out(admin: Any, b: Any) -> None:
+    """Step 7: a client subscribes to a row of initech.objects; an application's UPDATE reaches broker B."""
+    row_id = -4242  # a demo row, removed again at the end
+    created = admin.execute(
+        "INSERT INTO initech.objects (id, name) VALUES (%s, 'pgbroker demo row') ON CONFLICT (id) DO NOTHING",
+        (row_id,),
+    ).rowcount
+    try:
+        b.register("demo-client", {"addr": "127.0.0.1:9000"})
+        b.subscribe("demo-client", "initech.objects", row_id)
+        _say(f'7. Broker B registers client "demo-client" and subscribes it to initech.objects row {row_id}.')
+        started = time.monotonic()
+        admin.execute("UPDATE initech.objects SET name = 'changed by the application' WHERE id = %s", (row_id,))
+        batch = next(iter(b.notifications(poll_interval=1.0)))
+        took = (time.monotonic() - started) * 1000
+        for n in batch:
+            _say(f"   An application UPDATEs that row; B is woken and reads from the outbox, {took:.1f} ms later:")
+            _say(f"     op {n.op}, table {n.table}, key {n.key}, changed {n.changed}, tell {n.clients}")
+        b.ack([n.id for n in batch])
+        b.unregister("demo-client")
+    finally:
+        if created:
+            admin.execute("DELETE FROM initech.objects WHERE id = %s", (row_id,))
 
 
 # Cleanup actions, run last-in first-out whatever happens.

@@ -90,6 +90,7 @@ def test_demo_against_a_given_database(db_url, connect):
     assert "refused at once" in out and "LeaseHeld (SQLSTATE 55P03)" in out
     assert re.search(r"took over: epoch 2 \(A had 1\), [0-9.]+ ms after the kill", out), out
     assert "StaleEpoch (SQLSTATE PB002)" in out
+    assert "op U, table initech.objects, key -4242, changed ['name'], tell ['demo-client']" in out
     # It cleaned up: B released the lease, no demo session is left.
     watch = connect("watch")
     epoch, state = watch.execute("SELECT epoch, state FROM pgbroker.brokers WHERE name = 'pgbroker-demo'").fetchone()
