@@ -78,6 +78,12 @@ CREATE UNLOGGED TABLE pgbroker.outbox (
     at timestamptz NOT NULL DEFAULT pg_catalog.statement_timestamp()
 );
 CREATE INDEX outbox_name_id ON pgbroker.outbox (name, id);
+-- A queue table: every row is deleted soon after it is written, and a fetch
+-- walks the dead index entries until VACUUM removes them (measured: an empty
+-- fetch over 70,000 dead rows takes 3.5 ms instead of 0.13 ms).  Let
+-- autovacuum visit it as soon as it holds a few thousand dead rows.
+ALTER TABLE pgbroker.outbox SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 5000,
+                                 autovacuum_vacuum_cost_delay = 0);
 COMMENT ON TABLE pgbroker.outbox IS
     'Notification targets written by the watch triggers: one row per changed row and broker. UNLOGGED (see README). Internal: use outbox_fetch() / outbox_ack().';
 COMMENT ON COLUMN pgbroker.outbox.id IS 'Increasing; for one row of a watched table, in commit order.';
