@@ -368,21 +368,29 @@ def test_check_raises_within_guard_when_heartbeats_hang(db_url, connect):
 
 HOLDER_SCRIPT = textwrap.dedent(
     """
-    import sys
+    import sys, threading
     from pgbroker import Broker
     from pgbroker.errors import LeaseLost
 
+    lock = threading.Lock()
+
+    def say(*words):
+        # on_lost runs in the heartbeat thread: keep whole lines apart.
+        with lock:
+            print(*words, flush=True)
+            sys.stdout.flush()
+
     def on_lost(exc):
-        print("ON_LOST", exc.sqlstate, flush=True)
+        say("ON_LOST", exc.sqlstate)
 
     with Broker(sys.argv[1], sys.argv[2], dead_man=1.0, heartbeat_interval=0.2, on_lost=on_lost) as b:
-        print("CLAIMED", b.epoch, b.pid, b.guard, flush=True)
+        say("CLAIMED", b.epoch, b.pid, b.guard)
         for line in sys.stdin:
             try:
                 b.check()
-                print("CHECK ok", flush=True)
+                say("CHECK ok")
             except LeaseLost as exc:
-                print("CHECK lost", flush=True)
+                say("CHECK lost")
     """
 )
 
