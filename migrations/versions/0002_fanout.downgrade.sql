@@ -7,6 +7,7 @@ DROP VIEW pgbroker.outbox_pending, pgbroker.subscriptions, pgbroker.watched_tabl
 DROP FUNCTION
     pgbroker.outbox_ack(text, bigint[]),
     pgbroker.outbox_fetch(text, integer, bigint[]),
+    pgbroker._outbox_floor(text, bigint, boolean),
     pgbroker.unsubscribe(text, regclass, jsonb, text, bigint),
     pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval),
     pgbroker._interest_remove(bigint, integer, jsonb),

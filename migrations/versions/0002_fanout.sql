@@ -391,6 +391,7 @@ DECLARE
     v_name text := pgbroker._check_name(broker_sleep.name);
     v_epoch bigint := pgbroker._holder_epoch(v_name);
     v_wait_ms text := pgbroker._wait_ms(broker_sleep.wait);   -- checked before anything changes
+    v_floor bigint;
     v_key integer;
     v_timeout text := current_setting('lock_timeout');
 BEGIN
@@ -408,7 +409,8 @@ BEGIN
         PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
         RETURN 'busy';
     END;
-    IF EXISTS (SELECT FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch = v_epoch) THEN
+    v_floor := pgbroker._outbox_floor(v_name, v_epoch, false);
+    IF EXISTS (SELECT FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch = v_epoch AND o.id > v_floor) THEN
         PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
         RETURN 'pending';
     END IF;
@@ -793,6 +795,66 @@ COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
 -- ---------------------------------------------------------------------------
 -- Delivery.
 
+-- Where a fetch can start.  Acknowledged rows leave dead index entries
+-- behind until VACUUM, and a scan from the start of a broker's rows walks
+-- them all (an empty fetch over 70,000 dead rows: 3.5 ms instead of 0.1 ms).
+-- So each broker session keeps a floor F: no row with id <= F will ever need
+-- fetching.  Now and then a fetch reads S, the outbox sequence's value, and
+-- only then takes an xid X of its own.  An outbox row is only ever written
+-- after its transaction's first write, so a row with id <= S belongs to a
+-- transaction whose xid is below X.  Once every xid below X has ended (X is
+-- below the current xmin), such a row is visible or gone for good, and F
+-- may rise to S, never past a row still waiting.  The state lives in the
+-- setting pgbroker.outbox_floor ('epoch:F:S:X:when'); a rolled-back fetch
+-- only makes it more conservative.  (A snapshot's xmax is not a substitute
+-- for X: it omits running transactions whose xid is above the last one to
+-- complete.)
+CREATE FUNCTION pgbroker._outbox_floor(p_name text, p_epoch bigint, p_advance boolean)
+RETURNS bigint
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_state text[] := string_to_array(current_setting('pgbroker.outbox_floor', true), ':');
+    v_floor bigint := 0;
+    v_s bigint;
+    v_x xid8;
+    v_when timestamptz;
+    v_first bigint;
+BEGIN
+    IF v_state[1] = p_epoch::text AND cardinality(v_state) = 5 THEN
+        v_floor := v_state[2]::bigint;
+        v_s := nullif(v_state[3], '')::bigint;
+        v_x := nullif(v_state[4], '')::xid8;
+        v_when := to_timestamp(nullif(v_state[5], '')::double precision);
+    END IF;
+    IF NOT p_advance OR current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN v_floor;
+    END IF;
+    IF v_x IS NOT NULL AND v_x < pg_snapshot_xmin(pg_current_snapshot()) THEN
+        SELECT min(o.id) INTO v_first FROM pgbroker.outbox o
+         WHERE o.name = p_name AND o.epoch = p_epoch AND o.id > v_floor;
+        v_floor := greatest(v_floor, least(v_s, v_first - 1));
+        v_x := NULL;
+    END IF;
+    -- A new (S, X) needs an xid taken after reading S: only in a transaction
+    -- that has none yet, and at most every 100 ms (each costs an xid).
+    IF v_x IS NULL AND pg_current_xact_id_if_assigned() IS NULL
+       AND (v_when IS NULL OR v_when < clock_timestamp() - interval '100 ms') THEN
+        SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO v_s FROM pgbroker.outbox_id_seq;
+        v_x := pg_current_xact_id();
+        v_when := clock_timestamp();
+    END IF;
+    PERFORM set_config('pgbroker.outbox_floor',
+                       concat_ws(':', p_epoch, v_floor, coalesce(v_s::text, ''), coalesce(v_x::text, ''),
+                                 coalesce(extract(epoch FROM v_when)::text, '')),
+                       false);
+    RETURN v_floor;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._outbox_floor(text, bigint, boolean) IS
+    'Internal: the id below which this broker session''s outbox scans can start (see the comment above it in sql/300_watch.sql); p_advance moves it up when that is safe.';
+
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
@@ -802,10 +864,13 @@ AS $$
 DECLARE
     v_name text := pgbroker._check_name(outbox_fetch.name);
     v_epoch bigint := pgbroker._holder_epoch(v_name);
+    v_floor bigint;
 BEGIN
     IF outbox_fetch.max_rows IS NULL OR outbox_fetch.max_rows < 1 THEN
         RAISE EXCEPTION 'max_rows must be at least 1' USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- First, before this transaction writes anything (see _outbox_floor).
+    v_floor := pgbroker._outbox_floor(v_name, v_epoch, true);
     IF outbox_fetch.ack IS NOT NULL THEN
         -- Acknowledge the previous batch in the same round trip.
         DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.id = ANY (outbox_fetch.ack);
@@ -816,7 +881,7 @@ BEGIN
                    JOIN pgbroker.client c ON c.client_key = u.k ORDER BY u.n),
            o.at
       FROM (SELECT * FROM pgbroker.outbox b
-             WHERE b.name = v_name AND b.epoch = v_epoch
+             WHERE b.name = v_name AND b.epoch = v_epoch AND b.id > v_floor
              ORDER BY b.id
              LIMIT outbox_fetch.max_rows
                FOR UPDATE SKIP LOCKED) o
