@@ -313,3 +313,40 @@ def test_server_crash_empties_the_outbox_and_brokers_start_a_new_epoch():
             assert conn.execute("SELECT epoch FROM pgbroker.outbox").fetchall() == []
     finally:
         server.stop()
+
+
+def test_fetch_floor_never_passes_a_row_still_in_flight(connect):
+    """outbox_fetch starts above a per-session floor; the floor must stay below a row whose writer is still open."""
+    admin, consumer = connect("admin"), connect("consumer")
+    admin.execute("CREATE TABLE public.floor_events (id bigint PRIMARY KEY)")
+    admin.execute("SELECT pgbroker.watch('public.floor_events')")
+    claim(consumer)
+    register(consumer, "all")
+    subscribe(consumer, "all", "public.floor_events")
+
+    def floor() -> int:
+        state = consumer.execute("SELECT current_setting('pgbroker.outbox_floor', true)").fetchone()[0]
+        return int(state.split(":")[1]) if state else 0
+
+    def fetch_and_ack_a_few_times() -> set[int]:
+        keys = set()
+        for _ in range(4):
+            rows = fetch(consumer)
+            keys |= {r["key"] for r in rows}
+            ack(consumer, [r["id"] for r in rows])
+            time.sleep(0.12)  # new (S, X) pairs are taken at most every 100 ms
+        return keys
+
+    admin.execute("INSERT INTO public.floor_events SELECT g FROM generate_series(1, 50) g")
+    assert fetch_and_ack_a_few_times() == set(range(1, 51))
+    floor_before = floor()
+    assert floor_before >= 50  # the floor rose past the acknowledged rows
+
+    slow = connect("slow writer", autocommit=False)
+    slow.execute("INSERT INTO public.floor_events VALUES (1000)")  # its outbox row: the next id, not yet visible
+    admin.execute("INSERT INTO public.floor_events SELECT g FROM generate_series(2000, 2049) g")
+    assert fetch_and_ack_a_few_times() == set(range(2000, 2050))
+    assert floor() <= floor_before  # cannot pass the open writer's row
+
+    slow.commit()
+    assert {r["key"] for r in fetch(consumer)} == {1000}
