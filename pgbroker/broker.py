@@ -70,9 +70,10 @@ action stops acting in bounded time.  The lease can change hands in two ways:
 
 Thread safety: one lock serialises every use of the connection, so the
 heartbeat thread and any number of caller threads may share a :class:`Broker`.
-Later areas (client registry, subscriptions) add methods that go through
-:meth:`Broker._execute` / :meth:`AsyncBroker._execute`, which do the locking,
-the loss detection and the error translation.
+The client-registry, subscription and delivery methods go through
+:meth:`Broker._execute` / :meth:`AsyncBroker._execute` too, which do the
+locking, the loss detection and the error translation;
+:meth:`Broker.notifications` listens on a second connection of its own.
 """
 
 from __future__ import annotations

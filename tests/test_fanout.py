@@ -581,3 +581,35 @@ def test_broker_dying_mid_batch_loses_nothing_its_successor_needs(connect):
     for client, keys in clients.items():
         assert view[client] == {k: table[k] for k in keys if k in table}
     assert view == {"c1": {1: {"v": 100}, 2: {"v": -2}}, "c2": {3: {"v": 300}, 5: {"v": -5}}}
+
+
+def test_wake_drops_rows_written_for_an_earlier_epoch(connect):
+    """A writer that read pgbroker.interest just before a new claim may write rows for the old epoch
+    after the claim wiped them; nobody fetches those, so broker_wake() removes them."""
+    broker, admin = connect("broker"), connect("admin")
+    epoch = claim(broker)
+    admin.execute(
+        "INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, clients)"
+        " VALUES ('default', %s, 1, 'U', '1', '{}')",
+        (epoch - 1,),
+    )
+    wake(broker)
+    assert admin.execute("SELECT count(*) FROM pgbroker.outbox WHERE epoch < %s", (epoch,)).fetchone()[0] == 0
+
+
+def test_generated_triggers_use_the_lock_classes_of_subscribe_and_sleep(connect):
+    """The triggers inline the lock classes as literals: they must equal the functions subscribe/sleep use."""
+    admin = connect("admin")
+    classes = admin.execute(
+        "SELECT pgbroker._lock_class_watch(), pgbroker._lock_class_drain(), pgbroker._lock_class_awake()"
+    ).fetchone()
+    bodies = [
+        r[0]
+        for r in admin.execute(
+            "SELECT prosrc FROM pg_proc WHERE pronamespace = 'pgbroker'::regnamespace AND proname ~ '^_watch_[0-9]+_'"
+        )
+    ]
+    assert len(bodies) >= 4  # initech.objects is watched in the test database
+    for body in bodies:
+        for value in classes:
+            assert str(value) in body

@@ -740,6 +740,29 @@ def test_alembic_cli_and_unqualified_psql_call(empty_db):
     assert _leftovers(empty_db) == []
 
 
+def test_alembic_core_only_without_initech(empty_db):
+    """README: `alembic -x initech=no upgrade head` installs the core without initech.objects."""
+    env = _clean_env(DATABASE_URL=empty_db)
+    up = subprocess.run(
+        [*_alembic_command(), "-x", "initech=no", "upgrade", "head"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert up.returncode == 0, f"{up.stdout}\n{up.stderr}"
+    assert install.current_revision(empty_db) == (script_directory().get_current_head(),)
+    with psycopg.connect(empty_db) as conn:
+        assert conn.execute("SELECT to_regnamespace('initech')").fetchone()[0] is None
+        assert conn.execute("SELECT count(*) FROM pgbroker.watched").fetchone()[0] == 0
+    down = subprocess.run(
+        [*_alembic_command(), "downgrade", "base"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert down.returncode == 0, f"{down.stdout}\n{down.stderr}"
+    assert _leftovers(empty_db) == []
+
+
 # ---------------------------------------------------------------------------
 # Documentation and privileges of everything in schema pgbroker, for both builds.
 
