@@ -735,8 +735,11 @@ BEGIN
     END IF;
     RETURN QUERY
     SELECT o.id, w.relid::regclass::text, o.op::text, o.row_key, o.changed,
-           ARRAY(SELECT c.client_id FROM unnest(o.clients) WITH ORDINALITY AS u(k, n)
-                   JOIN pgbroker.client c ON c.client_key = u.k ORDER BY u.n),
+           -- One index probe per client (a join would be planned as a hash
+           -- join over the whole client table, for every row); clients
+           -- unregistered since the change are left out.
+           array_remove(ARRAY(SELECT (SELECT c.client_id FROM pgbroker.client c WHERE c.client_key = u.k)
+                                FROM unnest(o.clients) WITH ORDINALITY AS u(k, n) ORDER BY u.n), NULL),
            o.at
       FROM (SELECT * FROM pgbroker.outbox b
              WHERE b.name = v_name AND b.epoch = v_epoch AND b.id > v_floor

@@ -201,6 +201,22 @@ def test_unregister_drops_subscriptions_and_interest(connect):
     assert summary(drain(broker)) == [("U", 1, ["name"], ("c2",))]
 
 
+def test_fetch_lists_clients_in_subscription_order_and_leaves_out_unregistered_ones(connect):
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    seed_objects(writer, [1])
+    ids = [f"c{n:02d}" for n in range(12, 0, -1)]  # registered (and given client keys) in this order
+    for client in ids:
+        register(broker, client)
+        subscribe(broker, client, key=1)
+    writer.execute("UPDATE initech.objects SET name = 'first'")
+    assert unregister(broker, "c05") is True  # after the change was written, before it is fetched
+    rows = drain(broker)
+    assert [(r["op"], r["key"], r["changed"], r["clients"]) for r in rows] == [
+        ("U", 1, ["name"], [c for c in ids if c != "c05"])
+    ]
+
+
 def test_new_claim_wipes_state_of_earlier_epochs(connect):
     old, new, writer = connect("old broker"), connect("new broker"), connect("writer")
     other = connect("other broker")

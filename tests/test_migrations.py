@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -556,6 +557,34 @@ def test_revisions_run_frozen_sql_beside_them():
             for suffix in (".sql", ".downgrade.sql"):
                 frozen = base.with_name(base.name + suffix)
                 assert frozen.is_file(), f"{module.name}: {frozen.name} is missing"
+
+
+# Released revisions never change: a change to the schema is a new revision.
+# Add a revision's files here when it is released (lands on main).
+RELEASED = {
+    "0001_lease.downgrade.sql": "c53686a456ec5d17c8c3602fc34401b1e4d4f3a79b0edadfee4f879c3f66b782",
+    "0001_lease.py": "dbdd15ab2ca24dcd244729a3b818623d8608974ab9e71686fe78c34c77fc2128",
+    "0001_lease.sql": "9fa4cf2425eca7c05da59ad4fe744d69d41c6b5d77142fe656b473ad9e05115b",
+    "0002_fanout.downgrade.sql": "7719a0f492b6dae33445f9c7cb975d0cc21f9a0289ff021223399e70aed28633",
+    "0002_fanout.py": "b530b2c23775fabf08ea95f2eda24be0de04e457c53bff02b923f18e27fb7869",
+    "0002_fanout.sql": "5a8f8dbd00d6463f596daf7504445475281b160ce62a92716049359be3039bea",
+    "0003_initech.downgrade.sql": "868f2b9d17dc81e7f7b5a8ae3d865c205f17cb05e91e264219c408860c3190ad",
+    "0003_initech.py": "8d35f06b943fc28512c620768f135bce39c203f8f91f54a8215f4ecd034e2106",
+    "0003_initech.sql": "1e56eafca2a2d22890537240f94016374042437390a94b1cf27f293251000ed4",
+    "0004_fetch_probe.downgrade.sql": "54c78cf29e14f8529715dd10e27fe06f0bfc1b36cea84aca746f00e6e4061a97",
+    "0004_fetch_probe.py": "354089b19f38c03f4bf48b99dbb0285c53072cb748a20a1c156e2913559483ab",
+    "0004_fetch_probe.sql": "75e192dc8fbcfd1fa924395080ae688c9a925caeac88c9dc02d04b7dd78739d5",
+}
+
+
+def test_released_revisions_are_unchanged():
+    versions = install.versions_path()
+    for name, digest in RELEASED.items():
+        path = versions / name
+        assert path.is_file(), f"released revision file {name} is gone"
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, (
+            f"{name} was released and must not change: write a new revision instead"
+        )
 
 
 # ---------------------------------------------------------------------------
