@@ -304,6 +304,8 @@ DECLARE
     v_changed_expr text;
     v_fn text;
     v_body text;
+    v_plain text;
+    v_count_from text;
     -- Every trigger starts by ordering itself against subscribe (the watch
     -- lock, shared; REPEATABLE READ writers also lock the watched row FOR
     -- SHARE, which raises 40001 if a subscribe committed after their
@@ -317,6 +319,8 @@ DECLARE
     v_names text[];
     v_name text;
     v_key integer;
+    v_whole boolean;
+    v_rows bigint;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(1885823603, %1$s);
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -359,33 +363,45 @@ BEGIN
       CROSS JOIN LATERAL format_type(a.atttypid, NULL) AS t
      WHERE a.attrelid = p_watch.relid AND a.attnum > 0 AND NOT a.attisdropped;
 
-    -- INSERT, UPDATE, DELETE.  Each trigger function has two statements: a
-    -- plain (hash-joinable) key join when no client watches the whole table,
-    -- and one that merges row and whole-table subscribers per change.  An
+    -- INSERT, UPDATE, DELETE.  Each trigger function has a plain key join,
+    -- run when no client watches the whole table (twice in the text, see
+    -- below), and a statement that merges row and whole-table subscribers
+    -- per change.  An
     -- UPDATE that changes a key shows as a delete of the old key and an
     -- insert of the new one; an UPDATE that changes nothing writes nothing.
-    FOR v_kind, v_from, v_op, v_key, v_changed_expr IN
-        VALUES ('ins', 'pgbroker_new n', $q$'I'$q$, v_keyn, 'NULL::text[]'),
-               ('del', 'pgbroker_old o', $q$'D'$q$, v_keyo, 'NULL::text[]'),
+    FOR v_kind, v_from, v_op, v_key, v_changed_expr, v_count_from IN
+        VALUES ('ins', 'pgbroker_new n', $q$'I'$q$, v_keyn, 'NULL::text[]', 'pgbroker_new'),
+               ('del', 'pgbroker_old o', $q$'D'$q$, v_keyo, 'NULL::text[]', 'pgbroker_old'),
                ('upd', format('pgbroker_new n FULL JOIN pgbroker_old o ON %s', v_join),
                        format($q$CASE WHEN %s THEN 'I' WHEN %s THEN 'D' ELSE 'U' END$q$, v_o_null, v_n_null),
                        format('CASE WHEN %s THEN %s ELSE %s END', v_n_null, v_keyo, v_keyn),
-                       format('CASE WHEN %s OR %s THEN NULL ELSE %s END', v_n_null, v_o_null, v_changed))
+                       format('CASE WHEN %s OR %s THEN NULL ELSE %s END', v_n_null, v_o_null, v_changed),
+                       'pgbroker_new')
     LOOP
         v_fn := format('pgbroker._watch_%s_%s', v_id, v_kind);
-        v_body := format(v_head, v_id) || format($b$
-    IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = %1$s AND row_key = 'null'::jsonb) THEN
+        -- The plain statement: each change computed once (OFFSET 0 keeps the
+        -- planner from copying the changed-columns expression into the
+        -- filter), then one interest probe per change.
+        v_plain := format($p$
         WITH ins AS (
             INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
             SELECT i.name, i.epoch, %1$s, k.op, k.row_key, k.changed, i.clients
-              FROM %2$s
-             CROSS JOIN LATERAL (SELECT (%3$s)::"char" AS op, %4$s AS row_key) k0
-             CROSS JOIN LATERAL (SELECT k0.op, k0.row_key, CASE WHEN k0.op = 'U' THEN %5$s END AS changed) k
+              FROM (SELECT (%3$s)::"char" AS op, %4$s AS row_key, %5$s AS changed
+                      FROM %2$s OFFSET 0) k
               JOIN pgbroker.interest i ON i.watch_id = %1$s AND i.row_key = k.row_key
              WHERE k.op <> 'U' OR cardinality(k.changed) > 0
             RETURNING name)
-        SELECT array_agg(DISTINCT name) INTO v_names FROM ins;
-    ELSE
+        SELECT array_agg(DISTINCT name) INTO v_names FROM ins;$p$, v_id, v_from, v_op, v_key, v_changed_expr);
+        -- PL/pgSQL plans a statement once per session, for the number of rows
+        -- in the transition table at its first run.  A plan made for a bulk
+        -- statement (a hash over every interest row of the table) would then
+        -- serve every single-row statement of that session, so small and
+        -- large statements run the same text from two places: two plans.
+        v_body := format(v_head, v_id) || format($b$
+    SELECT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = %1$s AND row_key = 'null'::jsonb),
+           (SELECT count(*) FROM %6$s)
+      INTO v_whole, v_rows;
+    IF v_whole THEN
         WITH ins AS (
             INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
             SELECT t.name, t.epoch, %1$s, k.op, k.row_key, k.changed, t.clients
@@ -400,8 +416,10 @@ BEGIN
              WHERE k.op <> 'U' OR cardinality(k.changed) > 0
             RETURNING name)
         SELECT array_agg(DISTINCT name) INTO v_names FROM ins;
+    ELSIF v_rows <= 64 THEN%7$s
+    ELSE%7$s
     END IF;
-$b$, v_id, v_from, v_op, v_key, v_changed_expr) || v_tail;
+$b$, v_id, v_from, v_op, v_key, v_changed_expr, v_count_from, v_plain) || v_tail;
         EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
                        'SET search_path = pg_catalog, pg_temp AS %L', v_fn, v_body);
         EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,

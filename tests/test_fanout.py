@@ -629,3 +629,44 @@ def test_generated_triggers_use_the_lock_classes_of_subscribe_and_sleep(connect)
     for body in bodies:
         for value in classes:
             assert str(value) in body
+
+
+# ---------------------------------------------------------------------------
+# Plans.
+
+
+def _interest_tuples_read(conn: psycopg.Connection, statement: str) -> int:
+    """Rows of pgbroker.interest that STATEMENT read (this session's statistics before and after), rolled back."""
+    counter = (
+        "SELECT pg_stat_get_xact_tuples_fetched('pgbroker.interest'::regclass)"
+        " + pg_stat_get_xact_tuples_returned('pgbroker.interest'::regclass)"
+    )
+    read = -1
+    with conn.transaction():
+        before = conn.execute(counter).fetchone()[0]
+        conn.execute(statement)
+        read = conn.execute(counter).fetchone()[0] - before
+        raise psycopg.Rollback
+    return read
+
+
+def test_a_bulk_first_statement_does_not_slow_later_single_rows(connect):
+    # PL/pgSQL plans a trigger's statement at its first run in a session, for
+    # that run's number of rows.  A session whose first watched statement is a
+    # bulk one must not read every interest row of the table on each later
+    # single-row statement.
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    rows = 3000
+    seed_objects(writer, range(1, rows + 1))
+    register(broker, "c1")
+    broker.execute(
+        "SELECT count(pgbroker.subscribe('c1', %s::regclass, to_jsonb(g))) FROM generate_series(1, %s) g",
+        (OBJECTS, rows),
+    )
+    bulk = _interest_tuples_read(writer, "UPDATE initech.objects SET name = name || '+'")
+    single = _interest_tuples_read(writer, "UPDATE initech.objects SET name = 'one' WHERE id = 7")
+    assert bulk >= rows  # the bulk statement looks up every row (3,000 interest rows)
+    assert single <= 2, f"a single-row UPDATE read {single} interest rows after a bulk one"
+    writer.execute("UPDATE initech.objects SET name = 'two' WHERE id = 8")
+    assert summary(drain(broker)) == [("U", 8, ["name"], ("c1",))]
