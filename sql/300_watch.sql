@@ -366,9 +366,9 @@ BEGIN
     -- INSERT, UPDATE, DELETE.  Each trigger function has a plain key join,
     -- run when no client watches the whole table (twice in the text, see
     -- below), and a statement that merges row and whole-table subscribers
-    -- per change.  An
-    -- UPDATE that changes a key shows as a delete of the old key and an
-    -- insert of the new one; an UPDATE that changes nothing writes nothing.
+    -- per change.  An UPDATE that changes a key shows as a delete of the old
+    -- key and an insert of the new one; an UPDATE that changes nothing writes
+    -- nothing.
     FOR v_kind, v_from, v_op, v_key, v_changed_expr, v_count_from IN
         VALUES ('ins', 'pgbroker_new n', $q$'I'$q$, v_keyn, 'NULL::text[]', 'pgbroker_new'),
                ('del', 'pgbroker_old o', $q$'D'$q$, v_keyo, 'NULL::text[]', 'pgbroker_old'),
