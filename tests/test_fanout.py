@@ -641,7 +641,6 @@ def _interest_tuples_read(conn: psycopg.Connection, statement: str) -> int:
         "SELECT pg_stat_get_xact_tuples_fetched('pgbroker.interest'::regclass)"
         " + pg_stat_get_xact_tuples_returned('pgbroker.interest'::regclass)"
     )
-    read = -1
     with conn.transaction():
         before = conn.execute(counter).fetchone()[0]
         conn.execute(statement)

@@ -164,6 +164,7 @@ BEGIN
         -- statement (a hash over every interest row of the table) would then
         -- serve every single-row statement of that session, so small and
         -- large statements run the same text from two places: two plans.
+        -- Up to 64 rows, one index probe per row is always the right plan.
         v_body := format(v_head, v_id) || format($b$
     SELECT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = %1$s AND row_key = 'null'::jsonb),
            (SELECT count(*) FROM %6$s)
