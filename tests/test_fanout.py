@@ -669,3 +669,49 @@ def test_a_bulk_first_statement_does_not_slow_later_single_rows(connect):
     assert single <= 2, f"a single-row UPDATE read {single} interest rows after a bulk one"
     writer.execute("UPDATE initech.objects SET name = 'two' WHERE id = 8")
     assert summary(drain(broker)) == [("U", 8, ["name"], ("c1",))]
+
+
+def test_bulk_update_joins_old_and_new_by_hash_and_puts_the_planner_setting_back(connect):
+    # Above 64 rows the UPDATE trigger turns enable_mergejoin off for its one
+    # statement (a hash join of OLD and NEW is measured faster than the merge
+    # join with two sorts the planner picks) and restores the caller's value.
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    seed_objects(writer, range(1, 2001))
+    register(broker, "old")
+    register(broker, "new")
+    register(broker, "row")
+    subscribe(broker, "old", key=3)
+    subscribe(broker, "new", key=10003)
+    subscribe(broker, "row", key=1500)
+    plans: list[str] = []
+    writer.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+    for statement in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                      "SET auto_explain.log_nested_statements = on", "SET auto_explain.log_level = notice"):  # fmt: skip
+        writer.execute(statement)
+    for session_value in ("on", "off"):
+        writer.execute("SELECT set_config('enable_mergejoin', %s, false)", (session_value,))
+        with writer.transaction():
+            # 1,000 rows move to new keys (1 -> 10001 ...); 1,000 change a column.
+            writer.execute("UPDATE initech.objects SET id = id + 10000 WHERE id <= 1000")
+            writer.execute("UPDATE initech.objects SET name = name || '+' WHERE id BETWEEN 1001 AND 2000")
+            assert writer.execute("SHOW enable_mergejoin").fetchone()[0] == session_value
+        assert writer.execute("SHOW enable_mergejoin").fetchone()[0] == session_value
+        writer.execute("UPDATE initech.objects SET id = id - 10000 WHERE id > 10000")
+    joins = [p for p in plans if "pgbroker_old" in p and "INSERT INTO pgbroker.outbox" in p]
+    assert joins and all("Hash Full Join" in p for p in joins), joins
+    assert sorted(summary(drain(broker))) == sorted(
+        [("D", 3, None, ("old",)), ("I", 10003, None, ("new",)), ("U", 1500, ["name"], ("row",))] * 2
+        + [("D", 10003, None, ("new",)), ("I", 3, None, ("old",))] * 2
+    )
+
+
+def test_watching_a_table_sends_no_notice(connect):
+    admin = connect("admin")
+    admin.execute("CREATE TABLE public.quiet (id integer PRIMARY KEY, v text)")
+    notices: list[str] = []
+    admin.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+    admin.execute("SELECT pgbroker.watch('public.quiet')")
+    admin.execute("SELECT pgbroker.watch('public.quiet')")  # again: replaces the triggers
+    admin.execute("SELECT pgbroker.unwatch('public.quiet')")
+    assert notices == []

@@ -560,7 +560,9 @@ def test_revisions_run_frozen_sql_beside_them():
 
 
 # Released revisions never change: a change to the schema is a new revision.
-# Add a revision's files here when it is released (lands on main).
+# Every revision file must be listed here (the test below fails otherwise), so
+# a new revision is guarded from the moment it lands on main.  While a
+# revision is still unreleased, refresh its checksums as you edit it.
 RELEASED = {
     "0001_lease.downgrade.sql": "c53686a456ec5d17c8c3602fc34401b1e4d4f3a79b0edadfee4f879c3f66b782",
     "0001_lease.py": "dbdd15ab2ca24dcd244729a3b818623d8608974ab9e71686fe78c34c77fc2128",
@@ -574,11 +576,17 @@ RELEASED = {
     "0004_fanout_speed.downgrade.sql": "55c671207ec67b9f153f367e474d79308574a6a38eb1f5c5ff6685e90830b0f5",
     "0004_fanout_speed.py": "f1c080e172edc72c2ae557325f76d4863a0170f831f444f94e985263b7f61047",
     "0004_fanout_speed.sql": "956d432fe0475ed35ab65dc892ed3e87d01e11a98e1c2304aaf7459250633911",
+    "0005_bulk_plans.downgrade.sql": "00c26c0b9d24a2d195b49d8ad2df592727f359d9f84413cacc63509debe7471f",
+    "0005_bulk_plans.py": "533e247fa8e59fcd6d3db91d389e13e3b0498d680e3fc9ce76bc22ee9f23fa7c",
+    "0005_bulk_plans.sql": "eb76eea4f971c059aee8782761c1c03ed3c5b3067c1c737f087438b1769a91f4",
 }
 
 
 def test_released_revisions_are_unchanged():
     versions = install.versions_path()
+    on_disk = {p.name for p in versions.iterdir() if p.suffix in (".py", ".sql") and p.name[:1].isdigit()}
+    unlisted = sorted(on_disk - set(RELEASED))
+    assert not unlisted, f"revision files missing from RELEASED (add their sha256): {unlisted}"
     for name, digest in RELEASED.items():
         path = versions / name
         assert path.is_file(), f"released revision file {name} is gone"

@@ -86,7 +86,7 @@ SCALE_TARGET = 1.2  # "about 1x": the large set-up may cost at most this much mo
 class Settings:
     tps_seconds: float = 5.0  # per pgbench run
     tps_rounds: int = 3  # rounds of plain / watched / watched-not-drained, rotated, per writer count
-    bulk_reps: int = 5
+    bulk_reps: int = 9  # alternating repetitions; the median of each (this machine is noisy)
     latency_rate: float = 50.0  # writes per second (each for pgbroker and the floor)
     latency_seconds: float = 5.0
     scale_seconds: float = 4.0
