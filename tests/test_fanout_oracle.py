@@ -20,6 +20,8 @@ B_VALUES = st.sampled_from(["x", "y"])
 J_VALUES = st.sampled_from(['{"a":1}', '{"a": 1}', '{"a":2}'])
 
 Row = dict[str, object]
+FILL_FIRST, FILL_ROWS = 101, 100
+FILL_KEYS = f"{FILL_FIRST}, {FILL_FIRST + FILL_ROWS - 1}"
 
 OPS = st.one_of(
     st.tuples(st.just("insert"), KEY_SETS, A_VALUES),
@@ -30,6 +32,10 @@ OPS = st.one_of(
     st.tuples(st.just("update2"), KEY_SETS, A_VALUES, B_VALUES),
     st.tuples(st.just("update_all"), A_VALUES),
     st.tuples(st.just("rekey"), KEYS, KEYS),
+    # Statements of more than 64 rows run the triggers' bulk plans.
+    st.tuples(st.just("fill")),
+    st.tuples(st.just("shift")),
+    st.tuples(st.just("unfill")),
     st.tuples(st.just("delete"), KEY_SETS),
     st.tuples(st.just("subscribe"), st.integers(0, 4), st.one_of(st.none(), KEYS)),
     st.tuples(st.just("unsubscribe"), st.integers(0, 4), st.one_of(st.none(), KEYS)),
@@ -138,6 +144,21 @@ def apply(op: tuple, writer: psycopg.Connection, model: Model, conns: dict[str, 
             row = dict(model.rows[old], id=new)
             want += model.delete(old)
             want += model.insert(new, row)
+    elif kind == "fill":  # 100 rows that no row subscription names (keys 101-200)
+        writer.execute(f"INSERT INTO {TABLE} SELECT k, 0, 'x', '{{}}' FROM generate_series({FILL_KEYS}) k ON CONFLICT DO NOTHING")
+        for k in range(FILL_FIRST, FILL_FIRST + FILL_ROWS):
+            if k not in model.rows:
+                want += model.insert(k, {"id": k, "a": 0, "b": "x", "j": "{}"})
+    elif kind == "shift":  # a bulk key change: every key above 100 moves up by 1,000
+        writer.execute(f"UPDATE {TABLE} SET id = id + 1000 WHERE id > 100")
+        for k in sorted(k for k in model.rows if k > 100):
+            row = dict(model.rows[k], id=k + 1000)
+            want += model.delete(k)
+            want += model.insert(k + 1000, row)
+    elif kind == "unfill":
+        writer.execute(f"DELETE FROM {TABLE} WHERE id > 100")
+        for k in [k for k in model.rows if k > 100]:
+            want += model.delete(k)
     elif kind == "delete":
         _, keys = op
         writer.execute(f"DELETE FROM {TABLE} WHERE id = ANY (%s)", (keys,))

@@ -578,7 +578,7 @@ RELEASED = {
     "0004_fanout_speed.sql": "956d432fe0475ed35ab65dc892ed3e87d01e11a98e1c2304aaf7459250633911",
     "0005_bulk_plans.downgrade.sql": "00c26c0b9d24a2d195b49d8ad2df592727f359d9f84413cacc63509debe7471f",
     "0005_bulk_plans.py": "533e247fa8e59fcd6d3db91d389e13e3b0498d680e3fc9ce76bc22ee9f23fa7c",
-    "0005_bulk_plans.sql": "872b8810991bf00ca4e94f3e421e01de3f56a5fa3c82bb526fb53e03fa4383f9",
+    "0005_bulk_plans.sql": "dc7a94b820497cfc517129cc0b4a48d4479769b650c502bee8e19c53c33079da",
 }
 
 
