@@ -715,3 +715,34 @@ def test_watching_a_table_sends_no_notice(connect):
     admin.execute("SELECT pgbroker.watch('public.quiet')")  # again: replaces the triggers
     admin.execute("SELECT pgbroker.unwatch('public.quiet')")
     assert notices == []
+
+
+def test_keys_match_whatever_the_sessions_settings(connect):
+    # to_jsonb() of a timestamptz, an interval, a float or a bytea depends on
+    # the session (TimeZone, IntervalStyle, extra_float_digits, bytea_output).
+    # Subscriber and writer sessions that differ must still name the same row.
+    admin, broker, writer = connect("admin"), connect("broker"), connect("writer")
+    admin.execute(
+        "CREATE TABLE public.odd_keys (at timestamptz, span interval, f float8, b bytea, v int,"
+        " PRIMARY KEY (at, span, f, b))"
+    )
+    admin.execute("SELECT pgbroker.watch('public.odd_keys')")
+    broker.execute("SET TimeZone = 'Asia/Tokyo'; SET IntervalStyle = 'sql_standard'")
+    broker.execute("SET extra_float_digits = 3; SET bytea_output = 'escape'")  # 3: exact, but another format
+    writer.execute("SET TimeZone = 'America/New_York'; SET IntervalStyle = 'iso_8601'")
+    writer.execute("SET extra_float_digits = -3; SET bytea_output = 'hex'")
+    row = ("2026-11-29 12:00:00+00", "1 day 02:03:04", 0.1 + 0.2, b"\x00ab", 0)
+    writer.execute("INSERT INTO public.odd_keys VALUES (%s, %s, %s, %s, %s)", row)
+    claim(broker)
+    register(broker, "c")
+    key = broker.execute(
+        "SELECT jsonb_build_array(at, span, f, b) FROM public.odd_keys"
+    ).fetchone()[0]  # as the subscriber's session writes it
+    assert subscribe(broker, "c", "public.odd_keys", key)
+    writer.execute("UPDATE public.odd_keys SET v = v + 1")
+    rows = drain(broker)
+    assert [(r["op"], r["changed"], r["clients"]) for r in rows] == [("U", ["v"], ["c"])]
+    # Keys are written under fixed settings: UTC, postgres interval style, shortest exact floats, hex bytea.
+    # (A subscriber whose own settings round floats, extra_float_digits < 1, names another value.)
+    assert rows[0]["key"] == ["2026-11-29T12:00:00+00:00", "1 day 02:03:04", 0.30000000000000004, "\\x006162"]
+    assert unsubscribe(broker, "c", "public.odd_keys", rows[0]["key"])

@@ -576,9 +576,9 @@ RELEASED = {
     "0004_fanout_speed.downgrade.sql": "55c671207ec67b9f153f367e474d79308574a6a38eb1f5c5ff6685e90830b0f5",
     "0004_fanout_speed.py": "f1c080e172edc72c2ae557325f76d4863a0170f831f444f94e985263b7f61047",
     "0004_fanout_speed.sql": "956d432fe0475ed35ab65dc892ed3e87d01e11a98e1c2304aaf7459250633911",
-    "0005_bulk_plans.downgrade.sql": "00c26c0b9d24a2d195b49d8ad2df592727f359d9f84413cacc63509debe7471f",
-    "0005_bulk_plans.py": "533e247fa8e59fcd6d3db91d389e13e3b0498d680e3fc9ce76bc22ee9f23fa7c",
-    "0005_bulk_plans.sql": "dc7a94b820497cfc517129cc0b4a48d4479769b650c502bee8e19c53c33079da",
+    "0005_bulk_plans.downgrade.sql": "5177e1d89e0c5fe3ff5a3020e8af2f9283c8cedee7d820b7055ff4448a622ae0",
+    "0005_bulk_plans.py": "0ba09bf8d56da3b5581b016b85f9c12ea6079abcc047320e6104ef7b2ce84e18",
+    "0005_bulk_plans.sql": "1338be940653022099ecdc2bc5dfb045780960badd76d9ba00ca1f539113e5d3",
 }
 
 
@@ -639,6 +639,43 @@ def test_upgrade_downgrade_upgrade(pg_server, empty_db, search_path):
     with psycopg.connect(url, autocommit=True) as conn:
         assert conn.execute("SELECT broker_claim('roundtrip')").fetchone()[0] == 1
 
+
+
+def test_0005_encodes_existing_keys_again_under_fixed_settings(empty_db):
+    # Before 0005 a timestamptz key was encoded in the subscriber's TimeZone; a
+    # writer in another one missed it.  The upgrade encodes such keys again and
+    # rebuilds their interest rows; subscriptions of other tables stay as they were.
+    url = empty_db
+    install.migrate(url, "0004_fanout_speed")
+    with psycopg.connect(url, autocommit=True) as broker, psycopg.connect(url, autocommit=True) as writer:
+        writer.execute("CREATE TABLE public.events (at timestamptz PRIMARY KEY, v int NOT NULL DEFAULT 0)")
+        writer.execute("INSERT INTO public.events (at) VALUES ('2026-11-29 12:00+00'), ('2026-11-29 13:00+00')")
+        writer.execute("INSERT INTO initech.objects (id, name) VALUES (1, 'one')")
+        writer.execute("SELECT pgbroker.watch('public.events')")
+        broker.execute("SET TimeZone = 'Asia/Tokyo'")
+        broker.execute("SELECT pgbroker.broker_claim()")
+        for client in ("a", "b"):
+            broker.execute("SELECT pgbroker.client_register(%s)", (client,))
+            broker.execute("SELECT pgbroker.subscribe(%s, 'public.events', to_jsonb('2026-11-29 12:00+00'::timestamptz))",
+                           (client,))  # fmt: skip
+        broker.execute("SELECT pgbroker.subscribe('a', 'initech.objects', '1')")
+        old_keys = broker.execute("SELECT DISTINCT row_key::text FROM pgbroker.subscription").fetchall()
+        assert sorted(old_keys) == sorted([("1",), ('"2026-11-29T21:00:00+09:00"',)])
+
+        install.migrate(url)
+
+        keys = broker.execute("SELECT row_key::text, count(*) FROM pgbroker.subscription GROUP BY 1").fetchall()
+        assert sorted(keys) == sorted([("1", 1), ('"2026-11-29T12:00:00+00:00"', 2)])
+        interest = broker.execute(
+            "SELECT row_key::text, (SELECT array_agg(c.client_id ORDER BY n) FROM unnest(i.clients)"
+            " WITH ORDINALITY u(k, n) JOIN pgbroker.client c ON c.client_key = u.k) FROM pgbroker.interest i"
+        ).fetchall()
+        assert sorted(interest) == sorted([("1", ["a"]), ('"2026-11-29T12:00:00+00:00"', ["a", "b"])])
+        writer.execute("SET TimeZone = 'America/New_York'")
+        writer.execute("UPDATE public.events SET v = 1")
+        writer.execute("UPDATE initech.objects SET name = 'uno'")
+        rows = broker.execute("SELECT \"table\", key, clients FROM pgbroker.outbox_fetch() ORDER BY id").fetchall()
+        assert rows == [("public.events", "2026-11-29T12:00:00+00:00", ["a", "b"]), ("initech.objects", 1, ["a"])]
 
 def _leftovers(url: str) -> list[str]:
     """Anything in the database that still mentions pgbroker."""

@@ -1,5 +1,35 @@
 -- Undo 0005_bulk_plans: put back the earlier definitions and regenerate the triggers.
 
+CREATE OR REPLACE FUNCTION pgbroker._encode_key(p_watch pgbroker.watched, p_key jsonb)
+RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_n integer := cardinality(p_watch.key_columns);
+    v_parts jsonb := CASE WHEN v_n = 1 THEN jsonb_build_array(p_key) ELSE p_key END;
+    v_sql text;
+    v_out jsonb;
+BEGIN
+    IF p_key IS NULL OR jsonb_typeof(p_key) = 'null' THEN
+        RETURN 'null'::jsonb;
+    END IF;
+    IF jsonb_typeof(v_parts) <> 'array' OR jsonb_array_length(v_parts) <> v_n
+       OR EXISTS (SELECT FROM jsonb_array_elements(v_parts) e WHERE jsonb_typeof(e) IN ('null', 'object', 'array')) THEN
+        RAISE EXCEPTION 'key % does not match the primary key (%) of %', p_key,
+                array_to_string(p_watch.key_columns, ', '), p_watch.table_name
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give a JSON scalar for a one-column key, a JSON array of scalars in key order for a composite one.';
+    END IF;
+    SELECT format('SELECT %s', CASE WHEN v_n = 1 THEN format('to_jsonb(($1->>0)::%s)', min(t)) ELSE
+               format('jsonb_build_array(%s)', string_agg(format('($1->>%s)::%s', i - 1, t), ', ' ORDER BY i)) END)
+      INTO v_sql
+      FROM unnest(p_watch.key_types::text[]) WITH ORDINALITY AS u(t, i);
+    EXECUTE v_sql INTO v_out USING v_parts;
+    RETURN v_out;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION pgbroker._watch_drop_triggers(p_watch pgbroker.watched)
 RETURNS void
 LANGUAGE plpgsql
@@ -201,3 +231,5 @@ $$;
 
 -- Regenerate the trigger functions of every watched table.
 SELECT pgbroker._watch_install(w) FROM pgbroker.watched w ORDER BY w.watch_id;
+
+DROP FUNCTION pgbroker._key_settings(regtype[]);

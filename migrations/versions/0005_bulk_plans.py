@@ -1,4 +1,4 @@
-"""pgbroker: cheaper bulk statements on watched tables (hash join of OLD and NEW, no full count).
+"""pgbroker: cheaper bulk statements on watched tables; keys encoded under fixed session settings.
 
 Revision ID: 0005_bulk_plans
 Revises: 0004_fanout_speed
