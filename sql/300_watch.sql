@@ -676,6 +676,15 @@ DECLARE
     v_key jsonb := pgbroker._encode_key(v_watch, subscribe.key);
     v_timeout text := current_setting('lock_timeout');
 BEGIN
+    -- A subscription to a table whose triggers are gone or disabled would
+    -- never hear of a change (triggers dropped by hand, or a dropped watched
+    -- table whose oid a new table reused).
+    IF (SELECT count(*) FROM pg_catalog.pg_trigger t
+         WHERE t.tgrelid = v_watch.relid AND t.tgenabled <> 'D'
+           AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')) <> 4 THEN
+        RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', subscribe."table"
+            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
+    END IF;
     -- Exclusive against writers' triggers (shared): writers that already read
     -- the interest without us commit first, later ones see us.
     BEGIN

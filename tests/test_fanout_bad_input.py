@@ -113,3 +113,37 @@ def test_registry_and_delivery_reject_bad_arguments(connect, broker):
     assert broker.execute("SELECT client_id FROM pgbroker.clients").fetchall() == [("c1",)]
     assert broker.execute("SELECT pgbroker.client_unregister('nobody')").fetchone() == (False,)
     assert broker.execute("SELECT pgbroker.wakeup_channel('never claimed')").fetchone() == (None,)
+
+
+def test_subscribe_refuses_a_table_whose_triggers_are_gone_or_disabled(connect):
+    su, broker = connect("superuser"), connect("broker")
+    su.execute("CREATE TABLE public.fragile (id int PRIMARY KEY, v int)")
+    su.execute("SELECT pgbroker.watch('public.fragile')")
+    claim(broker)
+    register(broker, "c")
+    before = pgbroker_state_counts(su)
+    for broken, mend in (
+        ("ALTER TABLE public.fragile DISABLE TRIGGER _pgbroker_watch_upd",
+         "ALTER TABLE public.fragile ENABLE TRIGGER _pgbroker_watch_upd"),
+        ("DROP TRIGGER _pgbroker_watch_del ON public.fragile", "SELECT pgbroker.watch('public.fragile')"),
+    ):  # fmt: skip
+        su.execute(broken)
+        assert error_of(broker, "SELECT pgbroker.subscribe('c', 'public.fragile', '1')") == "PB021"
+        assert pgbroker_state_counts(su) == before
+        su.execute(mend)
+        assert broker.execute("SELECT pgbroker.subscribe('c', 'public.fragile', '1')").fetchone() == (True,)
+        assert broker.execute("SELECT pgbroker.unsubscribe('c', 'public.fragile', '1')").fetchone() == (True,)
+
+
+def test_a_dropped_watched_table_is_unwatched_by_its_old_oid(connect):
+    # A table dropped without unwatch() leaves its watch behind; unwatch() takes its old oid.
+    su, broker = connect("superuser"), connect("broker")
+    su.execute("CREATE TABLE public.gone (id int PRIMARY KEY)")
+    oid = su.execute("SELECT pgbroker.watch('public.gone'), 'public.gone'::regclass::oid").fetchone()[1]
+    claim(broker)
+    register(broker, "c")
+    broker.execute("SELECT pgbroker.subscribe('c', 'public.gone', '1')")
+    su.execute("DROP TABLE public.gone")
+    assert su.execute("SELECT pgbroker.unwatch(%s::oid::regclass)", (oid,)).fetchone() == (True,)
+    assert generated(su) == (4, 4)  # initech.objects' only
+    assert su.execute("SELECT count(*) FROM pgbroker.subscription").fetchone() == (0,)

@@ -576,9 +576,9 @@ RELEASED = {
     "0004_fanout_speed.downgrade.sql": "55c671207ec67b9f153f367e474d79308574a6a38eb1f5c5ff6685e90830b0f5",
     "0004_fanout_speed.py": "f1c080e172edc72c2ae557325f76d4863a0170f831f444f94e985263b7f61047",
     "0004_fanout_speed.sql": "956d432fe0475ed35ab65dc892ed3e87d01e11a98e1c2304aaf7459250633911",
-    "0005_bulk_plans.downgrade.sql": "5177e1d89e0c5fe3ff5a3020e8af2f9283c8cedee7d820b7055ff4448a622ae0",
+    "0005_bulk_plans.downgrade.sql": "86221d6e82132d11501a27355ac96caeff2970f0b9ac63d34889ae24b9f7cd50",
     "0005_bulk_plans.py": "0ba09bf8d56da3b5581b016b85f9c12ea6079abcc047320e6104ef7b2ce84e18",
-    "0005_bulk_plans.sql": "1338be940653022099ecdc2bc5dfb045780960badd76d9ba00ca1f539113e5d3",
+    "0005_bulk_plans.sql": "a941becc5bb06e2e882e4a9f7de783225d46f859d73480847a8d3ed8749dcee3",
 }
 
 

@@ -229,6 +229,46 @@ $b$, v_id) || v_tail;
 END
 $$;
 
+CREATE OR REPLACE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
+                                   name text DEFAULT 'default', epoch bigint DEFAULT NULL,
+                                   wait interval DEFAULT '5 s')
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe.epoch);
+    v_client bigint := pgbroker._client_key(v_name, subscribe.client_id);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe."table");
+    v_key jsonb := pgbroker._encode_key(v_watch, subscribe.key);
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    -- Exclusive against writers' triggers (shared): writers that already read
+    -- the interest without us commit first, later ones see us.
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(subscribe.wait), true);
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), v_watch.watch_id);
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', v_watch.table_name, subscribe.wait
+            USING ERRCODE = 'lock_not_available', HINT = 'Retry, or pass a longer wait.';
+    END;
+    INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
+    VALUES (v_client, v_watch.watch_id, v_key)
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, clients)
+    VALUES (v_watch.watch_id, v_key, v_name, v_epoch, ARRAY[v_client])
+    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || v_client, epoch = excluded.epoch;
+    UPDATE pgbroker.watched SET generation = generation + 1 WHERE watch_id = v_watch.watch_id;
+    RETURN true;
+END
+$$;
+
 -- Regenerate the trigger functions of every watched table.
 SELECT pgbroker._watch_install(w) FROM pgbroker.watched w ORDER BY w.watch_id;
 

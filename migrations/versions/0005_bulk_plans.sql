@@ -12,6 +12,8 @@
 --   extra_float_digits, bytea_output, lc_monetary): a timestamptz, interval,
 --   float, bytea or money key subscribed in one session now matches the same
 --   row written from a session with other settings (see _key_settings).
+-- * subscribe() refuses (PB021) a table whose pgbroker triggers are missing
+--   or disabled: such a subscription would never hear of a change.
 --
 -- CREATE OR REPLACE keeps each function's owner, grants and comment.
 
@@ -294,6 +296,55 @@ $b$, v_id) || v_tail;
     -- Generated functions are internal: nobody calls them but the triggers.
     EXECUTE format('REVOKE ALL ON FUNCTION pgbroker._watch_%1$s_ins(), pgbroker._watch_%1$s_upd(), '
                    'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc() FROM PUBLIC', v_id);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
+                                   name text DEFAULT 'default', epoch bigint DEFAULT NULL,
+                                   wait interval DEFAULT '5 s')
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe.epoch);
+    v_client bigint := pgbroker._client_key(v_name, subscribe.client_id);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe."table");
+    v_key jsonb := pgbroker._encode_key(v_watch, subscribe.key);
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    -- A subscription to a table whose triggers are gone or disabled would
+    -- never hear of a change (triggers dropped by hand, or a dropped watched
+    -- table whose oid a new table reused).
+    IF (SELECT count(*) FROM pg_catalog.pg_trigger t
+         WHERE t.tgrelid = v_watch.relid AND t.tgenabled <> 'D'
+           AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')) <> 4 THEN
+        RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', subscribe."table"
+            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
+    END IF;
+    -- Exclusive against writers' triggers (shared): writers that already read
+    -- the interest without us commit first, later ones see us.
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(subscribe.wait), true);
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), v_watch.watch_id);
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', v_watch.table_name, subscribe.wait
+            USING ERRCODE = 'lock_not_available', HINT = 'Retry, or pass a longer wait.';
+    END;
+    INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
+    VALUES (v_client, v_watch.watch_id, v_key)
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, clients)
+    VALUES (v_watch.watch_id, v_key, v_name, v_epoch, ARRAY[v_client])
+    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || v_client, epoch = excluded.epoch;
+    UPDATE pgbroker.watched SET generation = generation + 1 WHERE watch_id = v_watch.watch_id;
+    RETURN true;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._key_settings(regtype[]) IS
