@@ -90,7 +90,7 @@ class Settings:
     latency_rate: float = 50.0  # writes per second (each for pgbroker and the floor)
     latency_seconds: float = 5.0
     scale_seconds: float = 4.0
-    scale_rounds: int = 2  # alternating watched / unwatched pgbench runs per phase
+    scale_rounds: int = 4  # alternating watched / unwatched pgbench runs per phase (the tps form is noisy)
     scale_statements: int = 1000
     explain: bool = False
 
