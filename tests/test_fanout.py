@@ -686,9 +686,9 @@ def test_bulk_update_joins_old_and_new_by_hash_and_puts_the_planner_setting_back
     subscribe(broker, "row", key=1500)
     plans: list[str] = []
     writer.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
-    for statement in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
-                      "SET auto_explain.log_nested_statements = on", "SET auto_explain.log_level = notice"):  # fmt: skip
-        writer.execute(statement)
+    writer.execute("LOAD 'auto_explain'")
+    for setting in ("log_min_duration = 0", "log_nested_statements = on", "log_level = notice"):
+        writer.execute(f"SET auto_explain.{setting}")
     for session_value in ("on", "off"):
         writer.execute("SELECT set_config('enable_mergejoin', %s, false)", (session_value,))
         with writer.transaction():
@@ -735,9 +735,9 @@ def test_keys_match_whatever_the_sessions_settings(connect):
     writer.execute("INSERT INTO public.odd_keys VALUES (%s, %s, %s, %s, %s)", row)
     claim(broker)
     register(broker, "c")
-    key = broker.execute(
-        "SELECT jsonb_build_array(at, span, f, b) FROM public.odd_keys"
-    ).fetchone()[0]  # as the subscriber's session writes it
+    key = broker.execute("SELECT jsonb_build_array(at, span, f, b) FROM public.odd_keys").fetchone()[
+        0
+    ]  # as the subscriber's session writes it
     assert subscribe(broker, "c", "public.odd_keys", key)
     writer.execute("UPDATE public.odd_keys SET v = v + 1")
     rows = drain(broker)

@@ -145,7 +145,9 @@ def apply(op: tuple, writer: psycopg.Connection, model: Model, conns: dict[str, 
             want += model.delete(old)
             want += model.insert(new, row)
     elif kind == "fill":  # 100 rows that no row subscription names (keys 101-200)
-        writer.execute(f"INSERT INTO {TABLE} SELECT k, 0, 'x', '{{}}' FROM generate_series({FILL_KEYS}) k ON CONFLICT DO NOTHING")
+        writer.execute(
+            f"INSERT INTO {TABLE} SELECT k, 0, 'x', '{{}}' FROM generate_series({FILL_KEYS}) k ON CONFLICT DO NOTHING"
+        )
         for k in range(FILL_FIRST, FILL_FIRST + FILL_ROWS):
             if k not in model.rows:
                 want += model.insert(k, {"id": k, "a": 0, "b": "x", "j": "{}"})

@@ -640,7 +640,6 @@ def test_upgrade_downgrade_upgrade(pg_server, empty_db, search_path):
         assert conn.execute("SELECT broker_claim('roundtrip')").fetchone()[0] == 1
 
 
-
 def test_0005_encodes_existing_keys_again_under_fixed_settings(empty_db):
     # Before 0005 a timestamptz key was encoded in the subscriber's TimeZone; a
     # writer in another one missed it.  The upgrade encodes such keys again and
@@ -656,8 +655,10 @@ def test_0005_encodes_existing_keys_again_under_fixed_settings(empty_db):
         broker.execute("SELECT pgbroker.broker_claim()")
         for client in ("a", "b"):
             broker.execute("SELECT pgbroker.client_register(%s)", (client,))
-            broker.execute("SELECT pgbroker.subscribe(%s, 'public.events', to_jsonb('2026-11-29 12:00+00'::timestamptz))",
-                           (client,))  # fmt: skip
+            broker.execute(
+                "SELECT pgbroker.subscribe(%s, 'public.events', to_jsonb('2026-11-29 12:00+00'::timestamptz))",
+                (client,),
+            )
         broker.execute("SELECT pgbroker.subscribe('a', 'initech.objects', '1')")
         old_keys = broker.execute("SELECT DISTINCT row_key::text FROM pgbroker.subscription").fetchall()
         assert sorted(old_keys) == sorted([("1",), ('"2026-11-29T21:00:00+09:00"',)])
@@ -674,8 +675,9 @@ def test_0005_encodes_existing_keys_again_under_fixed_settings(empty_db):
         writer.execute("SET TimeZone = 'America/New_York'")
         writer.execute("UPDATE public.events SET v = 1")
         writer.execute("UPDATE initech.objects SET name = 'uno'")
-        rows = broker.execute("SELECT \"table\", key, clients FROM pgbroker.outbox_fetch() ORDER BY id").fetchall()
+        rows = broker.execute('SELECT "table", key, clients FROM pgbroker.outbox_fetch() ORDER BY id').fetchall()
         assert rows == [("public.events", "2026-11-29T12:00:00+00:00", ["a", "b"]), ("initech.objects", 1, ["a"])]
+
 
 def _leftovers(url: str) -> list[str]:
     """Anything in the database that still mentions pgbroker."""
