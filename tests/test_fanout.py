@@ -746,3 +746,17 @@ def test_keys_match_whatever_the_sessions_settings(connect):
     # (A subscriber whose own settings round floats, extra_float_digits < 1, names another value.)
     assert rows[0]["key"] == ["2026-11-29T12:00:00+00:00", "1 day 02:03:04", 0.30000000000000004, "\\x006162"]
     assert unsubscribe(broker, "c", "public.odd_keys", rows[0]["key"])
+
+    # Only tables with such key types pay for the settings in their triggers.
+    def settings(table: str) -> list[str]:
+        return admin.execute(
+            "SELECT array_agg(DISTINCT c ORDER BY c) FROM pgbroker.watched w, pg_proc p, unnest(p.proconfig) c"
+            " WHERE w.relid = %s::regclass AND p.proname ~ ('^_watch_' || w.watch_id || '_')",
+            (table,),
+        ).fetchone()[0]
+
+    assert settings("initech.objects") == ["search_path=pg_catalog, pg_temp"]
+    assert settings("public.odd_keys") == [
+        "IntervalStyle=postgres", "TimeZone=UTC", "bytea_output=hex", "extra_float_digits=1", "lc_monetary=C",
+        "search_path=pg_catalog, pg_temp",
+    ]  # fmt: skip
