@@ -21,6 +21,8 @@ alternately with it:
    subscribed, the extra cost per outbox row against a plain INSERT ... SELECT of
    the same outbox-shaped rows into an UNLOGGED table of the outbox's shape
    (target: within 1.5x).  Medians of alternating repetitions.
+   Also one 100,000-row UPDATE with 1% of the rows subscribed, at the server's
+   default JIT settings (info: large statements once paid for JIT compilation).
 3. Commit-to-handler latency: a writer updates a subscribed row 50 times a
    second; the time from its commit returning to the broker's outbox_fetch()
    returning the row (same process, time.perf_counter).  Floor: an UPDATE plus
@@ -87,6 +89,7 @@ class Settings:
     tps_seconds: float = 5.0  # per pgbench run
     tps_rounds: int = 3  # rounds of plain / watched / watched-not-drained, rotated, per writer count
     bulk_reps: int = 9  # alternating repetitions; the median of each (this machine is noisy)
+    huge_reps: int = 5  # the same for the 100,000-row statement
     latency_rate: float = 50.0  # writes per second (each for pgbroker and the floor)
     latency_seconds: float = 5.0
     scale_seconds: float = 4.0
@@ -96,7 +99,7 @@ class Settings:
 
     @classmethod
     def quick(cls) -> Settings:
-        return cls(tps_seconds=2.0, tps_rounds=1, bulk_reps=3, latency_seconds=2.0, scale_seconds=2.0,
+        return cls(tps_seconds=2.0, tps_rounds=1, bulk_reps=3, huge_reps=1, latency_seconds=2.0, scale_seconds=2.0,
                    scale_rounds=2, scale_statements=300)  # fmt: skip
 
 
@@ -360,11 +363,15 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
     # "paused": the broker stays awake (writers send no NOTIFY) but does not drain: the triggers' cost alone.
     # "proto": bench.proto with a minimal statement-level trigger (see setup_fixture), not drained: what a bare
     # INSERT ... SELECT from the NEW TABLE joined to pgbroker.interest costs on this machine.
+    # "drained": bench.drained, whose trigger is the same INSERT ... SELECT into the real outbox, drained by
+    # the broker, as SECURITY DEFINER and with the wake-up test: the least any trigger with a drained outbox
+    # does (no key changes, changed columns, subscribe ordering or per-broker wake-ups).
     scripts = {
         "plain": update_script("bench.plain", 1000),
         "watched": update_script("bench.watched", 1000),
         "paused": update_script("bench.watched", 1000),
         "proto": update_script("bench.proto", 1000),
+        "drained": update_script("bench.drained", 1000),
     }
     for writers in (1, 8):
         tps: dict[str, list[float]] = {k: [] for k in scripts}
@@ -374,7 +381,7 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
         for r in range(cfg.tps_rounds):
             order = list(scripts)[r % len(scripts) :] + list(scripts)[: r % len(scripts)]
             for variant in order:
-                vacuum(conn, "bench.plain", "bench.watched", "bench.proto", "pgbroker.outbox")
+                vacuum(conn, "bench.plain", "bench.watched", "bench.proto", "bench.drained", "pgbroker.outbox")
                 conn.execute("TRUNCATE bench.proto_outbox")
                 if variant == "paused":
                     broker.paused.set()
@@ -391,7 +398,9 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
                 broker.paused.clear()
                 wait_drained(conn, broker)
                 print(f"   {writers} writer(s) {variant:8s} {value:8.0f} tps", flush=True)
-        plain, watched, paused, proto = (statistics.median(tps[k]) for k in ("plain", "watched", "paused", "proto"))
+        plain, watched, paused, proto, drained = (
+            statistics.median(tps[k]) for k in ("plain", "watched", "paused", "proto", "drained")
+        )
         ratio = watched / plain
         s = "s" if writers > 1 else ""
         results.figures[f"tps_ratio_{writers}"] = ratio
@@ -415,6 +424,13 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
             f"{plain:,.0f} tps",
             f"{proto / plain:.2f}x",
             "(info: reachable here)",
+        )
+        results.add(
+            f"  same into the drained outbox + wake-up test, {writers} writer{s}",
+            f"{drained:,.0f} tps",
+            f"{plain:,.0f} tps",
+            f"{drained / plain:.2f}x",
+            "(info: least with delivery)",
         )
         seconds = cfg.tps_seconds * cfg.tps_rounds
         results.add(
@@ -512,6 +528,41 @@ def bench_bulk(conn: psycopg.Connection, broker: DrainingBroker, watch_ids: dict
         f"{floor_per_row * 1e6:.2f} us",
         f"{ratio:.2f}x",
         f"<= {PER_ROW_TARGET}x {_verdict(ratio <= PER_ROW_TARGET)}",
+    )
+
+
+HUGE_ROWS = 100_000
+
+
+def bench_huge(conn: psycopg.Connection, broker: DrainingBroker, cfg: Settings, results: Results) -> None:
+    jit = conn.execute("SELECT current_setting('jit')::boolean AND pg_jit_available()").fetchone()[0]
+    print(f"2b. one 100,000-row UPDATE statement, 1% of rows subscribed (JIT {'on' if jit else 'unavailable'})",
+          flush=True)  # fmt: skip
+    variants = {
+        "plain": ("UPDATE bench.huge_plain SET val = val + 1", "bench.huge_plain", 0),
+        "sparse": ("UPDATE bench.huge_sparse SET val = val + 1", "bench.huge_sparse", HUGE_ROWS // 100),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for rep in range(cfg.huge_reps + 1):  # the first is a warm-up
+        for key in list(variants)[:: 1 if rep % 2 else -1]:
+            sql, table, outbox_rows = variants[key]
+            before = broker.delivered
+            elapsed, rowcount = _timed_statement(conn, sql)
+            assert rowcount == HUGE_ROWS, (key, rowcount)
+            wait_drained(conn, broker)
+            assert broker.delivered - before == outbox_rows, key
+            vacuum(conn, table, "pgbroker.outbox")
+            if rep > 0:
+                times[key].append(elapsed)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["sparse"] / med["plain"]
+    results.figures["huge_sparse_ratio"] = ratio
+    results.add(
+        f"100k-row UPDATE, 1% rows subscribed (JIT {'on' if jit else 'n/a'})",
+        f"{med['sparse'] * 1000:.1f} ms",
+        f"{med['plain'] * 1000:.1f} ms",
+        f"{ratio:.2f}x",
+        "(info)",
     )
 
 
@@ -808,14 +859,15 @@ def setup_fixture(conn: psycopg.Connection, broker: DrainingBroker) -> tuple[dic
     conn.execute("CREATE SCHEMA bench")
     for table, rows in (("bench.plain", 1000), ("bench.watched", 1000), ("bench.bulk_plain", BULK_ROWS),
                         ("bench.bulk_sparse", BULK_ROWS), ("bench.bulk_dense", BULK_ROWS),
-                        ("bench.scale", SCALE_ROWS)):  # fmt: skip
+                        ("bench.scale", SCALE_ROWS), ("bench.huge_plain", HUGE_ROWS),
+                        ("bench.huge_sparse", HUGE_ROWS)):  # fmt: skip
         make_table(conn, table, rows)
     conn.execute("CREATE UNLOGGED TABLE bench.floor_outbox (LIKE pgbroker.outbox INCLUDING ALL)")
     make_table(conn, "bench.proto", 1000)
     conn.execute("CREATE UNLOGGED TABLE bench.proto_outbox (LIKE pgbroker.outbox INCLUDING ALL)")
     watch_ids = {
         t: conn.execute("SELECT pgbroker.watch(%s)", (t,)).fetchone()[0]
-        for t in ("bench.watched", "bench.bulk_sparse", "bench.bulk_dense", "bench.scale")
+        for t in ("bench.watched", "bench.bulk_sparse", "bench.bulk_dense", "bench.scale", "bench.huge_sparse")
     }
     # The prototype reads the interest rows of bench.watched (10 subscribers per row): no locks, no wake-up,
     # no old/new join, no changed columns, no SECURITY DEFINER.
@@ -831,6 +883,36 @@ def setup_fixture(conn: psycopg.Connection, broker: DrainingBroker) -> tuple[dic
     conn.execute(
         "CREATE TRIGGER proto AFTER UPDATE ON bench.proto REFERENCING NEW TABLE AS pgbroker_new"
         " FOR EACH STATEMENT EXECUTE FUNCTION bench.proto_trigger()"
+    )
+    # The same rows into the real outbox (the broker drains them as changes of bench.watched), as SECURITY
+    # DEFINER, then the wake-up test of the generated triggers for the fixture's one broker.
+    make_table(conn, "bench.drained", 1000)
+    drain_lock, awake_lock = conn.execute(
+        "SELECT pgbroker._lock_class_drain(), pgbroker._lock_class_awake()"
+    ).fetchone()
+    conn.execute(f"""
+        CREATE FUNCTION bench.drained_trigger() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+        SET search_path = pg_catalog, pg_temp AS $$
+        DECLARE
+            v_key integer;
+        BEGIN
+            INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+            SELECT i.name, i.epoch, i.watch_id, 'U', i.row_key, ARRAY['val'], i.clients
+              FROM pgbroker_new n JOIN pgbroker.interest i
+                ON i.watch_id = {watch_ids["bench.watched"]} AND i.row_key = to_jsonb(n.id);
+            IF FOUND THEN
+                SELECT l.lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = '{BROKER}';
+                PERFORM pg_advisory_xact_lock_shared({drain_lock}, v_key);
+                IF pg_try_advisory_lock_shared({awake_lock}, v_key) THEN
+                    PERFORM pg_advisory_unlock_shared({awake_lock}, v_key);
+                    PERFORM pg_notify('pgbroker_wakeup_' || v_key, '{BROKER}');
+                END IF;
+            END IF;
+            RETURN NULL;
+        END $$""")
+    conn.execute(
+        "CREATE TRIGGER drained AFTER UPDATE ON bench.drained REFERENCING NEW TABLE AS pgbroker_new"
+        " FOR EACH STATEMENT EXECUTE FUNCTION bench.drained_trigger()"
     )
     seconds = register_clients(conn, BROKER, broker.epoch, "c", 0, 999)
     # bench.watched: client k subscribes to rows (10k + j) % 1000 + 1, j < 10: 10 subscribers per row.
@@ -852,6 +934,12 @@ def setup_fixture(conn: psycopg.Connection, broker: DrainingBroker) -> tuple[dic
         split(1, BULK_ROWS, 2),
     )  # fmt: skip
     assert (sparse, dense) == (BULK_ROWS // 100, BULK_ROWS), (sparse, dense)
+    huge, _ = subscribe_all(
+        conn, BROKER, broker.epoch, "bench.huge_sparse",
+        "SELECT 'c' || mod(r, 1000), r FROM generate_series(%s::int, %s::int) r WHERE mod(r, 100) = 0",
+        [(1, HUGE_ROWS)],
+    )  # fmt: skip
+    assert huge == HUGE_ROWS // 100, huge
     notes.append(
         f"set-up: 1,000 clients registered in {seconds:.1f} s; {subs + sparse + dense:,} subscriptions in"
         f" {sub_seconds + dense_seconds:.1f} s+"
@@ -890,6 +978,7 @@ def run(cfg: Settings) -> Results:
             try:
                 bench_throughput(conn, broker, pgbench, cfg, results)
                 bench_bulk(conn, broker, watch_ids, cfg, results)
+                bench_huge(conn, broker, cfg, results)
                 bench_latency(url, conn, broker, cfg, results)
                 if cfg.explain:
                     explain_triggers(conn)
