@@ -56,6 +56,10 @@ CREATE TABLE pgbroker.interest (
     PRIMARY KEY (watch_id, row_key, name)
 );
 CREATE INDEX interest_name ON pgbroker.interest (name);
+-- For bulk statements: which brokers have any interest in a table (two index
+-- probes, min and max), and a one-column key's text (see _watch_install).
+CREATE INDEX interest_watch_name ON pgbroker.interest (watch_id, name);
+CREATE INDEX interest_key_text ON pgbroker.interest (watch_id, (row_key #>> '{}') COLLATE "C");
 COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_keys per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
 COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
@@ -338,6 +342,13 @@ DECLARE
     v_bulk text;
     v_count_from text;
     v_settings text := pgbroker._key_settings(p_watch.key_types);
+    v_text_key boolean;  -- bulk statements match a one-column key by its text
+    v_textn text;        -- that text over n.*
+    v_texto text;        -- over o.*
+    v_text text;         -- over the statement's rows
+    v_match text;        -- bulk: the interest side of the key join
+    v_bulk_key text;     -- bulk: the statement side
+    v_core text;         -- bulk: the INSERT ... SELECT into the outbox
     -- Every trigger starts by ordering itself against subscribe (the watch
     -- lock, shared; REPEATABLE READ writers also lock the watched row FOR
     -- SHARE, which raises 40001 if a subscribe committed after their
@@ -355,6 +366,9 @@ DECLARE
     v_bulk boolean;
     v_mergejoin text;
     v_jit text;
+    v_min text;
+    v_max text;
+    v_rows bigint;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(1885823603, %1$s);
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -385,6 +399,23 @@ BEGIN
       INTO v_keyn, v_keyo, v_join, v_n_null, v_o_null
       FROM unnest(p_watch.key_columns) WITH ORDINALITY AS u(c, i);
 
+    -- A one-column key whose JSON form is its text form (integers, text,
+    -- uuid, boolean, enums): bulk statements compare that text with
+    -- row_key #>> '{}' (in the "C" collation: byte for byte, as jsonb
+    -- compares strings) instead of building a jsonb key per row; the
+    -- interest_key_text index serves it.  Measured on 10,000 rows, every one
+    -- subscribed: 6.5 ms less (of 77).  Other keys keep the jsonb join.
+    SELECT cardinality(p_watch.key_columns) = 1
+           AND (coalesce(nullif(t.typbasetype, 0), t.oid)::regtype = ANY (ARRAY[
+                    'smallint', 'integer', 'bigint', 'text', 'character varying', 'name', 'uuid',
+                    'boolean']::regtype[])
+                OR t.typtype = 'e'),
+           format('(n.%I)::text', p_watch.key_columns[1]),
+           format('(o.%I)::text', p_watch.key_columns[1])
+      INTO v_text_key, v_textn, v_texto
+      FROM pg_catalog.pg_type t
+     WHERE t.oid = p_watch.key_types[1];
+
     -- Changed columns: IS DISTINCT FROM where the type has an equality
     -- operator of its own, the text forms otherwise (json, xml, point...).
     SELECT format('array_remove(ARRAY[%s]::text[], NULL)',
@@ -403,14 +434,15 @@ BEGIN
     -- per change.  An UPDATE that changes a key shows as a delete of the old
     -- key and an insert of the new one; an UPDATE that changes nothing writes
     -- nothing.
-    FOR v_kind, v_from, v_op, v_key, v_changed_expr, v_count_from IN
-        VALUES ('ins', 'pgbroker_new n', $q$'I'$q$, v_keyn, 'NULL::text[]', 'pgbroker_new'),
-               ('del', 'pgbroker_old o', $q$'D'$q$, v_keyo, 'NULL::text[]', 'pgbroker_old'),
+    FOR v_kind, v_from, v_op, v_key, v_changed_expr, v_count_from, v_text IN
+        VALUES ('ins', 'pgbroker_new n', $q$'I'$q$, v_keyn, 'NULL::text[]', 'pgbroker_new', v_textn),
+               ('del', 'pgbroker_old o', $q$'D'$q$, v_keyo, 'NULL::text[]', 'pgbroker_old', v_texto),
                ('upd', format('pgbroker_new n FULL JOIN pgbroker_old o ON %s', v_join),
                        format($q$CASE WHEN %s THEN 'I' WHEN %s THEN 'D' ELSE 'U' END$q$, v_o_null, v_n_null),
                        format('CASE WHEN %s THEN %s ELSE %s END', v_n_null, v_keyo, v_keyn),
                        format('CASE WHEN %s OR %s THEN NULL ELSE %s END', v_n_null, v_o_null, v_changed),
-                       'pgbroker_new')
+                       'pgbroker_new',
+                       format('CASE WHEN %s THEN %s ELSE %s END', v_n_null, v_texto, v_textn))
     LOOP
         v_fn := format('pgbroker._watch_%s_%s', v_id, v_kind);
         -- The plain statement: each change computed once (OFFSET 0 keeps the
@@ -441,27 +473,59 @@ BEGIN
         -- estimate passes jit_above_cost and the statement is compiled, which
         -- costs more than it saves (100,000 rows, 1% subscribed: 230 ms, 40%
         -- more).
-        v_bulk := v_plain;
+        --
+        -- The brokers to wake come from RETURNING and a DISTINCT over every
+        -- row written (5 ms per 10,000 rows).  When all the table's interest
+        -- belongs to one broker (the usual case), two index probes say so
+        -- first, and the statement runs without RETURNING: the rows it wrote,
+        -- if any, are that broker's.  With no interest at all there is nothing
+        -- to write; none can appear before this transaction ends, since
+        -- subscribe() waits for the watch lock taken above.
+        IF v_text_key THEN
+            v_match := $m$(i.row_key #>> '{}') COLLATE "C" = $m$;
+            v_bulk_key := v_text;
+        ELSE
+            v_match := 'i.row_key = ';
+            v_bulk_key := v_key;
+        END IF;
         IF v_kind = 'upd' THEN
-            v_bulk := format($p$
-        v_mergejoin := current_setting('enable_mergejoin');
-        PERFORM set_config('enable_mergejoin', 'off', true);
-        WITH ins AS (
-            INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+            v_core := format($p$INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
             SELECT z.name, z.epoch, %1$s, z.op, z.row_key, z.changed, z.clients
               FROM (SELECT i.name, i.epoch, i.clients, (%3$s)::"char" AS op, i.row_key, %5$s AS changed
                       FROM %2$s
-                      JOIN pgbroker.interest i ON i.watch_id = %1$s AND i.row_key = %4$s
+                      JOIN pgbroker.interest i ON i.watch_id = %1$s AND %4$s%6$s
                     OFFSET 0) z
-             WHERE z.op <> 'U' OR cardinality(z.changed) > 0
-            RETURNING name)
-        SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
-        PERFORM set_config('enable_mergejoin', v_mergejoin, true);$p$, v_id, v_from, v_op, v_key, v_changed_expr);
+             WHERE z.op <> 'U' OR cardinality(z.changed) > 0$p$, v_id, v_from, v_op, v_match, v_changed_expr, v_bulk_key);
+        ELSE
+            v_core := format($p$INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+            SELECT i.name, i.epoch, %1$s, k.op, i.row_key, k.changed, i.clients
+              FROM (SELECT (%3$s)::"char" AS op, %4$s AS key, %5$s AS changed FROM %2$s OFFSET 0) k
+              JOIN pgbroker.interest i ON i.watch_id = %1$s AND %6$sk.key$p$,
+                             v_id, v_from, v_op, v_bulk_key, v_changed_expr, v_match);
         END IF;
         v_bulk := format($p$
         v_jit := current_setting('jit');
-        PERFORM set_config('jit', 'off', true);%s
-        PERFORM set_config('jit', v_jit, true);$p$, v_bulk);
+        PERFORM set_config('jit', 'off', true);%2$s
+        SELECT min(i.name), max(i.name) INTO v_min, v_max FROM pgbroker.interest i WHERE i.watch_id = %1$s;
+        IF v_min = v_max THEN
+            %3$s;
+            GET DIAGNOSTICS v_rows = ROW_COUNT;
+            IF v_rows > 0 THEN
+                v_names := ARRAY[v_min];
+            END IF;
+        ELSIF v_min IS NOT NULL THEN
+            WITH ins AS (
+            %3$s
+            RETURNING name)
+            SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
+        END IF;%4$s
+        PERFORM set_config('jit', v_jit, true);$p$, v_id,
+            CASE WHEN v_kind = 'upd' THEN $x$
+        v_mergejoin := current_setting('enable_mergejoin');
+        PERFORM set_config('enable_mergejoin', 'off', true);$x$ ELSE '' END,
+            v_core,
+            CASE WHEN v_kind = 'upd' THEN $x$
+        PERFORM set_config('enable_mergejoin', v_mergejoin, true);$x$ ELSE '' END);
         -- PL/pgSQL plans a statement once per session, for the number of rows
         -- in the transition table at its first run.  A plan made for a bulk
         -- statement (a hash over every interest row of the table) would then

@@ -1,17 +1,17 @@
-"""pgbroker: no JIT compilation in the trigger statements of watched tables that can be large.
+"""pgbroker: cheaper bulk statements on watched tables (no JIT, one-broker fast path, text keys).
 
-Revision ID: 0006_no_jit
+Revision ID: 0006_bulk_speed
 Revises: 0005_bulk_plans
 Create Date: 2026-11-29
 
 Released revisions never change.  The SQL this revision runs lives beside it
-(0006_no_jit.sql and 0006_no_jit.downgrade.sql), frozen at release time; sql/ holds the
+(0006_bulk_speed.sql and 0006_bulk_speed.downgrade.sql), frozen at release time; sql/ holds the
 current definition of every object.
 """
 
 from pgbroker.install import run_revision_sql
 
-revision = "0006_no_jit"
+revision = "0006_bulk_speed"
 down_revision = "0005_bulk_plans"
 branch_labels = None
 depends_on = None

@@ -1,14 +1,4 @@
--- pgbroker 0006: no JIT compilation in trigger statements that can be large.
---
--- The planner estimates a join of two transition tables at
--- rows(OLD) x rows(NEW) x 0.005, so from about 15,000 rows a bulk statement
--- on a watched table passed jit_above_cost and was compiled, which cost
--- more than it saved (100,000-row UPDATE, 1% subscribed: 230 ms, 40% more).
--- The generated trigger functions now turn JIT off for their bulk statements
--- (more than 64 rows), for the statement that merges whole-table subscribers,
--- and on TRUNCATE, and put the caller's setting back right after.
---
--- CREATE OR REPLACE keeps the function's owner, grants and comment.
+-- Undo 0006_bulk_speed: put back the earlier definition, regenerate the triggers, drop the indexes.
 
 CREATE OR REPLACE FUNCTION pgbroker._watch_install(p_watch pgbroker.watched)
 RETURNS void
@@ -51,7 +41,6 @@ DECLARE
     v_whole boolean;
     v_bulk boolean;
     v_mergejoin text;
-    v_jit text;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(1885823603, %1$s);
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -131,13 +120,6 @@ BEGIN
         -- Measured on 10,000 rows: 3.4 ms less with 1% of them subscribed
         -- (the case the issue names: a bulk UPDATE with few subscribers), 4 ms
         -- more with every row subscribed (the wider rows reach the join).
-        --
-        -- JIT is off for bulk statements and for those that merge whole-table
-        -- subscribers: the planner estimates a join of two transition tables
-        -- at rows(OLD) x rows(NEW) x 0.005, so from about 15,000 rows the
-        -- estimate passes jit_above_cost and the statement is compiled, which
-        -- costs more than it saves (100,000 rows, 1% subscribed: 230 ms, 40%
-        -- more).
         v_bulk := v_plain;
         IF v_kind = 'upd' THEN
             v_bulk := format($p$
@@ -155,10 +137,6 @@ BEGIN
         SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
         PERFORM set_config('enable_mergejoin', v_mergejoin, true);$p$, v_id, v_from, v_op, v_key, v_changed_expr);
         END IF;
-        v_bulk := format($p$
-        v_jit := current_setting('jit');
-        PERFORM set_config('jit', 'off', true);%s
-        PERFORM set_config('jit', v_jit, true);$p$, v_bulk);
         -- PL/pgSQL plans a statement once per session, for the number of rows
         -- in the transition table at its first run.  A plan made for a bulk
         -- statement (a hash over every interest row of the table) would then
@@ -170,8 +148,6 @@ BEGIN
            EXISTS (SELECT FROM %6$s OFFSET 64)
       INTO v_whole, v_bulk;
     IF v_whole THEN
-        v_jit := current_setting('jit');
-        PERFORM set_config('jit', 'off', true);
         WITH ins AS (
             INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
             SELECT t.name, t.epoch, %1$s, k.op, k.row_key, k.changed, t.clients
@@ -186,7 +162,6 @@ BEGIN
              WHERE k.op <> 'U' OR cardinality(k.changed) > 0
             RETURNING name)
         SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
-        PERFORM set_config('jit', v_jit, true);
     ELSIF NOT v_bulk THEN%7$s
     ELSE%8$s
     END IF;
@@ -198,12 +173,9 @@ $b$, v_id, v_from, v_op, v_key, v_changed_expr, v_count_from, v_plain, v_bulk) |
                               upper(v_kind), v_table));
     END LOOP;
 
-    -- TRUNCATE: every client with any interest in the table hears of it
-    -- (JIT off: the estimate grows with the table's interest rows).
+    -- TRUNCATE: every client with any interest in the table hears of it.
     v_fn := format('pgbroker._watch_%s_trunc', v_id);
     v_body := format(v_head, v_id) || format($b$
-    v_jit := current_setting('jit');
-    PERFORM set_config('jit', 'off', true);
     WITH ins AS (
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT i.name, max(i.epoch), %1$s, 'T', NULL, NULL,
@@ -214,7 +186,6 @@ $b$, v_id, v_from, v_op, v_key, v_changed_expr, v_count_from, v_plain, v_bulk) |
          GROUP BY i.name
         RETURNING name)
     SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
-    PERFORM set_config('jit', v_jit, true);
 $b$, v_id) || v_tail;
     EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
                    'SET search_path = pg_catalog, pg_temp AS %L', v_fn, v_body);
@@ -241,3 +212,6 @@ $$;
 
 -- Regenerate the trigger functions of every watched table.
 SELECT pgbroker._watch_install(w) FROM pgbroker.watched w ORDER BY w.watch_id;
+
+DROP INDEX pgbroker.interest_key_text;
+DROP INDEX pgbroker.interest_watch_name;
