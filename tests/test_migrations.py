@@ -579,9 +579,9 @@ RELEASED = {
     "0005_bulk_plans.downgrade.sql": "86221d6e82132d11501a27355ac96caeff2970f0b9ac63d34889ae24b9f7cd50",
     "0005_bulk_plans.py": "0ba09bf8d56da3b5581b016b85f9c12ea6079abcc047320e6104ef7b2ce84e18",
     "0005_bulk_plans.sql": "a941becc5bb06e2e882e4a9f7de783225d46f859d73480847a8d3ed8749dcee3",
-    "0006_bulk_speed.downgrade.sql": "cb0f529172ca86ac94a9259b0a2c55d428a99cb667257436602eeae216ba6329",
+    "0006_bulk_speed.downgrade.sql": "22a9a8f41b095c36672421875c37fa06777263b2eb8350768d644dda8ca20eda",
     "0006_bulk_speed.py": "6911f40b6b9188cba3980e634ef6d0f5790fd7b56117b9e4a748d8e84137ffee",
-    "0006_bulk_speed.sql": "5f1eec6e20d49c586baadda5343d951d0ed3a3d10ff3a16822be5508e2270551",
+    "0006_bulk_speed.sql": "cbd2bdc53d0e98a235787bbe8ef73025ad48d1f77dac415f03b8a606171abe56",
 }
 
 

@@ -215,3 +215,4 @@ SELECT pgbroker._watch_install(w) FROM pgbroker.watched w ORDER BY w.watch_id;
 
 DROP INDEX pgbroker.interest_key_text;
 DROP INDEX pgbroker.interest_watch_name;
+ALTER TABLE pgbroker.interest DROP COLUMN key_text;
