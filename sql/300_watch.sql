@@ -351,9 +351,10 @@ DECLARE
     v_textn text;        -- that text over n.*
     v_texto text;        -- over o.*
     v_text text;         -- over the statement's rows
-    v_match text;        -- bulk: the interest side of the key join
-    v_bulk_key text;     -- bulk: the statement side
+    v_bulk_key text;     -- bulk: the key, statement side
+    v_src text;          -- bulk: how interest is read
     v_core text;         -- bulk: the INSERT ... SELECT into the outbox
+    v_cores text[] := '{}';  -- bulk: that statement joining interest, and probing it
     -- Every trigger starts by ordering itself against subscribe (the watch
     -- lock, shared; REPEATABLE READ writers also lock the watched row FOR
     -- SHARE, which raises 40001 if a subscribe committed after their
@@ -374,6 +375,7 @@ DECLARE
     v_min text;
     v_max text;
     v_rows bigint;
+    v_large boolean;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(1885823603, %1$s);
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -487,51 +489,79 @@ BEGIN
         -- if any, are that broker's.  With no interest at all there is nothing
         -- to write; none can appear before this transaction ends, since
         -- subscribe() waits for the watch lock taken above.
-        IF v_text_key THEN
-            v_match := 'i.key_text = ';
-            v_bulk_key := v_text;
-        ELSE
-            v_match := 'i.row_key = ';
-            v_bulk_key := v_key;
-        END IF;
-        IF v_kind = 'upd' THEN
-            v_core := format($p$INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        --
+        -- Which plan is best depends on the statement's size against the
+        -- table's interest rows, and PL/pgSQL would keep the first one for the
+        -- session: a plan made for a huge statement would hash every interest
+        -- row of the table for each later, smaller one.  So statements of up
+        -- to 1,024 rows always probe interest row by row (a LATERAL subquery
+        -- the planner cannot turn into a hash), and larger ones are planned at
+        -- each run (EXECUTE: 1 to 2 ms, measured; under 5% of a 5,000-row
+        -- statement).
+        v_bulk_key := CASE WHEN v_text_key THEN v_text ELSE v_key END;
+        FOR v_src IN
+            VALUES (format('JOIN pgbroker.interest i ON i.watch_id = %s AND i.%I = %%s', v_id,
+                           CASE WHEN v_text_key THEN 'key_text' ELSE 'row_key' END)),
+                   (format('CROSS JOIN LATERAL (SELECT j.name, j.epoch, j.clients, j.row_key FROM pgbroker.interest j'
+                           ' WHERE j.watch_id = %s AND j.%I = %%s OFFSET 0) i', v_id,
+                           CASE WHEN v_text_key THEN 'key_text' ELSE 'row_key' END))
+        LOOP
+            IF v_kind = 'upd' THEN
+                v_src := format(v_src, v_bulk_key);
+                v_core := format($p$INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
             SELECT z.name, z.epoch, %1$s, z.op, z.row_key, z.changed, z.clients
               FROM (SELECT i.name, i.epoch, i.clients, (%3$s)::"char" AS op, i.row_key, %5$s AS changed
                       FROM %2$s
-                      JOIN pgbroker.interest i ON i.watch_id = %1$s AND %4$s%6$s
+                      %4$s
                     OFFSET 0) z
-             WHERE z.op <> 'U' OR cardinality(z.changed) > 0$p$, v_id, v_from, v_op, v_match, v_changed_expr, v_bulk_key);
-        ELSE
-            v_core := format($p$INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+             WHERE z.op <> 'U' OR cardinality(z.changed) > 0$p$, v_id, v_from, v_op, v_src, v_changed_expr);
+            ELSE
+                v_src := format(v_src, 'k.key');
+                v_core := format($p$INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
             SELECT i.name, i.epoch, %1$s, k.op, i.row_key, k.changed, i.clients
               FROM (SELECT (%3$s)::"char" AS op, %4$s AS key, %5$s AS changed FROM %2$s OFFSET 0) k
-              JOIN pgbroker.interest i ON i.watch_id = %1$s AND %6$sk.key$p$,
-                             v_id, v_from, v_op, v_bulk_key, v_changed_expr, v_match);
-        END IF;
+              %6$s$p$, v_id, v_from, v_op, v_bulk_key, v_changed_expr, v_src);
+            END IF;
+            v_cores := v_cores || v_core;
+        END LOOP;
         v_bulk := format($p$
         v_jit := current_setting('jit');
         PERFORM set_config('jit', 'off', true);%2$s
+        v_large := EXISTS (SELECT FROM %7$s OFFSET 1024);
         SELECT min(i.name), max(i.name) INTO v_min, v_max FROM pgbroker.interest i WHERE i.watch_id = %1$s;
         IF v_min = v_max THEN
+            IF v_large THEN
+                EXECUTE %5$L;
+                GET DIAGNOSTICS v_rows = ROW_COUNT;
+            ELSE
             %3$s;
-            GET DIAGNOSTICS v_rows = ROW_COUNT;
+                GET DIAGNOSTICS v_rows = ROW_COUNT;
+            END IF;
             IF v_rows > 0 THEN
                 v_names := ARRAY[v_min];
             END IF;
         ELSIF v_min IS NOT NULL THEN
+            IF v_large THEN
+                EXECUTE %6$L INTO v_names;
+            ELSE
             WITH ins AS (
             %3$s
             RETURNING name)
             SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
+            END IF;
         END IF;%4$s
         PERFORM set_config('jit', v_jit, true);$p$, v_id,
             CASE WHEN v_kind = 'upd' THEN $x$
         v_mergejoin := current_setting('enable_mergejoin');
         PERFORM set_config('enable_mergejoin', 'off', true);$x$ ELSE '' END,
-            v_core,
+            v_cores[2],
             CASE WHEN v_kind = 'upd' THEN $x$
-        PERFORM set_config('enable_mergejoin', v_mergejoin, true);$x$ ELSE '' END);
+        PERFORM set_config('enable_mergejoin', v_mergejoin, true);$x$ ELSE '' END,
+            v_cores[1],
+            format('WITH ins AS (%s RETURNING name) SELECT array_agg(d.name) FROM (SELECT DISTINCT name FROM ins) d',
+                   v_cores[1]),
+            v_count_from);
+        v_cores := '{}';
         -- PL/pgSQL plans a statement once per session, for the number of rows
         -- in the transition table at its first run.  A plan made for a bulk
         -- statement (a hash over every interest row of the table) would then
