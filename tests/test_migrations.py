@@ -581,7 +581,7 @@ RELEASED = {
     "0005_bulk_plans.sql": "a941becc5bb06e2e882e4a9f7de783225d46f859d73480847a8d3ed8749dcee3",
     "0006_bulk_speed.downgrade.sql": "22a9a8f41b095c36672421875c37fa06777263b2eb8350768d644dda8ca20eda",
     "0006_bulk_speed.py": "6911f40b6b9188cba3980e634ef6d0f5790fd7b56117b9e4a748d8e84137ffee",
-    "0006_bulk_speed.sql": "9d8fd58b7e5b98afa1faa58aebe229f1d5140cb1a7731b236a53cc30b14e93d7",
+    "0006_bulk_speed.sql": "44e3fcab1d15206a40a2959ed041492d2af8334aa9b51eb5ae12d3138ab6a9db",
 }
 
 
