@@ -362,13 +362,14 @@ def test_bulk_update_with_few_subscribers_writes_few_rows(connect):
     ]
 
 
-def test_bulk_statements_match_keys_as_single_row_statements_do(connect):
+@pytest.mark.parametrize("rows", [100, 1100])  # probed row by row; planned at each run
+def test_bulk_statements_match_keys_as_single_row_statements_do(connect, rows):
     # Above 64 rows, a one-column key whose JSON form is its text (integers,
     # text, uuid, boolean, enums, domains over them) is matched by that text,
     # byte for byte as jsonb compares; other keys by jsonb.  Both must find
     # exactly the rows the single-row statements find.
     admin, broker, writer = connect("admin"), connect("broker"), connect("writer")
-    admin.execute("CREATE TYPE public.mood AS ENUM (" + ", ".join(f"'m{i}'" for i in range(1, 101)) + ")")
+    admin.execute("CREATE TYPE public.mood AS ENUM (" + ", ".join(f"'m{i}'" for i in range(1, rows + 1)) + ")")
     admin.execute("CREATE DOMAIN public.posint AS integer CHECK (VALUE > 0)")
     kinds = {  # table: (key column type, key of row i as SQL text, text join expected)
         "k_uuid": ("uuid", "md5(i::text)::uuid", True),
@@ -410,10 +411,10 @@ def test_bulk_statements_match_keys_as_single_row_statements_do(connect):
             (f"public.{table}",),
         ).fetchone()[0]
         assert ("i.key_text = " in source) is text_join, table
-        rows = "SELECT 'p' || i, i, 0 FROM generate_series(1, 100) i" if typ is None else (
-            f"SELECT {expr}, 0 FROM generate_series(1, 100) i")  # fmt: skip
+        source_rows = f"SELECT 'p' || i, i, 0 FROM generate_series(1, {rows}) i" if typ is None else (
+            f"SELECT {expr}, 0 FROM generate_series(1, {rows}) i")  # fmt: skip
         first_key = "a = 'p5'" if typ is None else f"k = (SELECT {expr} FROM (VALUES (5)) t(i))"
-        writer.execute(f"INSERT INTO public.{table} {rows}")  # bulk
+        writer.execute(f"INSERT INTO public.{table} {source_rows}")  # bulk
         writer.execute(f"UPDATE public.{table} SET v = v + 1")  # bulk
         writer.execute(f"UPDATE public.{table} SET v = v + 1 WHERE {first_key}")  # one row
         writer.execute(f"DELETE FROM public.{table}")  # bulk
@@ -431,34 +432,40 @@ def test_bulk_statements_match_keys_as_single_row_statements_do(connect):
         assert len(got) == 7, (table, got)
 
 
-def test_bulk_statements_wake_exactly_the_brokers_they_wrote_to(connect):
+@pytest.mark.parametrize("half", [100, 600])  # statements of 100 and 200 rows, then of 600 and 1,200 (planned each run)
+def test_bulk_statements_wake_exactly_the_brokers_they_wrote_to(connect, half):
     # Bulk statements skip RETURNING when one broker has all the table's
     # interest, and write nothing when none has any; the wake-ups stay exact.
     a, b, writer = connect("broker a"), connect("broker b"), connect("writer")
     claim(a, "a")
     claim(b, "b")
     ch_a, ch_b = listen(a, "a"), listen(b, "b")
-    seed_objects(writer, range(1, 201))
+    seed_objects(writer, range(1, 2 * half + 1))
     writer.execute("UPDATE initech.objects SET name = 'nobody'")  # no interest at all
     assert raw_outbox(writer) == [] and notifies(a, 0.2) == []
     register(a, "a1", "a")
     register(b, "b1", "b")
     subscribe(a, "a1", key=1, name="a")
-    writer.execute("UPDATE initech.objects SET name = 'x' WHERE id > 100")  # a's interest only, not these rows
+    writer.execute("UPDATE initech.objects SET name = 'x' WHERE id > %s", (half,))  # a's interest, not these rows
     assert raw_outbox(writer) == [] and notifies(a, 0.2) == []
-    writer.execute("UPDATE initech.objects SET name = 'y' WHERE id <= 100")
+    writer.execute("UPDATE initech.objects SET name = 'y' WHERE id <= %s", (half,))
     assert [(n.channel, n.payload) for n in notifies(a, 0.5)] == [(ch_a, "a")]
     assert summary(drain(a, "a")) == [("U", 1, ["name"], ("a1",))]
-    subscribe(b, "b1", key=150, name="b")  # two brokers now: the rows say who is woken
-    writer.execute("UPDATE initech.objects SET name = 'z' WHERE id > 100")
+    subscribe(b, "b1", key=half + 50, name="b")  # two brokers now: the rows say who is woken
+    writer.execute("UPDATE initech.objects SET name = 'z' WHERE id > %s", (half,))
     assert [(n.channel, n.payload) for n in notifies(b, 0.5)] == [(ch_b, "b")]
     assert notifies(a, 0.2) == []
-    assert summary(drain(b, "b")) == [("U", 150, ["name"], ("b1",))]
+    assert summary(drain(b, "b")) == [("U", half + 50, ["name"], ("b1",))]
+    writer.execute("UPDATE initech.objects SET name = 'w'")  # every row: both brokers
+    assert [(n.channel, n.payload) for n in notifies(a, 0.5)] == [(ch_a, "a")]
+    assert [(n.channel, n.payload) for n in notifies(b, 0.5)] == [(ch_b, "b")]
+    assert summary(drain(a, "a")) == [("U", 1, ["name"], ("a1",))]
+    assert summary(drain(b, "b")) == [("U", half + 50, ["name"], ("b1",))]
     writer.execute("DELETE FROM initech.objects")
     assert [(n.channel, n.payload) for n in notifies(a, 0.5)] == [(ch_a, "a")]
     assert [(n.channel, n.payload) for n in notifies(b, 0.5)] == [(ch_b, "b")]
     assert summary(drain(a, "a")) == [("D", 1, None, ("a1",))]
-    assert summary(drain(b, "b")) == [("D", 150, None, ("b1",))]
+    assert summary(drain(b, "b")) == [("D", half + 50, None, ("b1",))]
 
 
 def test_a_huge_first_statement_does_not_slow_later_mid_size_ones(connect):
