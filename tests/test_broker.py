@@ -5,6 +5,8 @@ paused process, server restart), broker state, thread safety."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import io
 import os
 import signal
 import socket
@@ -13,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import tokenize
 from typing import Any
 
 import psycopg
@@ -515,3 +518,24 @@ def test_many_threads_share_one_broker(db_url, connect):
         values = dict(connect().execute("SELECT key, value FROM pgbroker.broker_state WHERE name = 'busy'").fetchall())
         assert values == {f"t{n}": 39 for n in range(8)}
         assert not b.lost and b.check() > 0
+
+
+# ---------------------------------------------------------------------------
+# One implementation: the threaded Broker is generated from AsyncBroker
+
+
+def test_sync_broker_is_generated_from_the_async_source():
+    """pgbroker/_broker_sync.py is exactly what `python3 -m pgbroker._gen_sync` makes of _broker_async.py."""
+    from pgbroker import _gen_sync
+
+    wanted = _gen_sync.generate(_gen_sync.SOURCE.read_text())
+    assert _gen_sync.TARGET.read_text() == wanted, "run: python3 -m pgbroker._gen_sync"
+    # The transformation did its job: no asyncio left in the code, the same public methods on both classes.
+    names = {tok.string for tok in tokenize.generate_tokens(io.StringIO(wanted).readline) if tok.type == tokenize.NAME}
+    assert not names & {"async", "await", "asyncio", "AsyncBroker", "AsyncConnection"}
+    public = {name for name in dir(AsyncBroker) if not name.startswith("_")}
+    assert public == {name for name in dir(Broker) if not name.startswith("_")}
+    for name in public:
+        a, s = getattr(AsyncBroker, name), getattr(Broker, name)
+        if callable(a):
+            assert inspect.signature(a).parameters.keys() == inspect.signature(s).parameters.keys(), name

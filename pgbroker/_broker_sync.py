@@ -1,0 +1,408 @@
+# Generated from pgbroker/_broker_async.py by `python3 -m pgbroker._gen_sync`: do not edit.
+# Change the async source and run the generator; tests/test_broker.py checks that the two agree.
+"""The threaded broker, :class:`Broker`, generated from :mod:`pgbroker._broker_async`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import psycopg.sql
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from pgbroker._core import (
+    _MIN_WAKE_GAP,
+    ACK_SQL,
+    ASSERT_SQL,
+    CHANNEL_SQL,
+    CLAIM_SQL,
+    CLIENT_UPDATE_SQL,
+    DEAD_MAN_SQL,
+    FETCH_SQL,
+    HEARTBEAT_SQL,
+    REGISTER_SQL,
+    RELEASE_SQL,
+    SESSION_SQL,
+    SLEEP_SQL,
+    STATE_DELETE_SQL,
+    STATE_SET_SQL,
+    STATUS_SQL,
+    SUBSCRIBE_SQL,
+    UNREGISTER_SQL,
+    UNSUBSCRIBE_SQL,
+    WAKE_SQL,
+    Notification,
+    _BrokerBase,
+    _interval,
+    _key_param,
+    _ms,
+    _raise_translated,
+    _Waiter,
+)
+from pgbroker.errors import LeaseLost, PgBrokerError
+
+__all__ = ["Broker"]
+
+log = logging.getLogger("pgbroker.broker")
+
+
+class Broker(_BrokerBase):
+    """Hold the broker lease ``name`` from a dedicated connection.
+
+    ``url``: a ``postgresql://`` URL.  ``wait``: seconds to wait for the
+    holder (0: fail at once with :class:`LeaseHeld`; None: until the holder's
+    session ends).  ``takeover``: terminate the holder first (pgbroker_admin
+    only).  ``stale_after``: seconds; terminate a holder whose heartbeat is
+    older.  ``info``: recorded with the holder (default ``"<hostname> pid
+    <pid>"``).  ``heartbeat_interval``: seconds between heartbeats.
+    ``guard``: seconds without a confirmed heartbeat after which
+    :meth:`check` raises (default ``min(3 * heartbeat_interval, 0.8 * T)``,
+    see the module docstring of :mod:`pgbroker.broker` for *T*).
+    ``dead_man``: seconds; sets ``idle_session_timeout`` on the broker
+    session, so the server ends it when the process stops sending heartbeats
+    (paused, hung).  ``keepalive``: TCP settings for both ends.
+    ``on_lost(exc)``: called once, from the thread or task that noticed the
+    loss (usually the heartbeat runner); keep it short.  In the asyncio
+    flavour it may also be a coroutine function.  ``application_name`` is
+    recorded as ``holder_application``; ``connect_timeout`` is in seconds.
+
+    The connection must reach a real session (direct, or a pooler in session
+    mode): the lease is a session-level advisory lock.
+
+    Entering the context manager claims (:meth:`claim`); leaving it releases
+    the lease and closes the connection (:meth:`close`).  Timing guarantees:
+    see the module docstring of :mod:`pgbroker.broker` ("The timing bound").
+
+    The two flavours have the same arguments, methods and guarantees.  In the
+    asyncio one the methods that talk to the server are coroutines (and
+    :meth:`notifications` an asynchronous iterator), and heartbeats run in an
+    asyncio task that waits for the socket in a worker thread; in the
+    threaded one they run in a daemon thread.  :meth:`check` does no I/O and
+    is a plain method in both.
+    """
+
+    _conn: psycopg.Connection[Any] | None
+    _runner: threading.Thread | None
+
+    def _setup(self) -> None:
+        self._conn = None
+        self._lock = threading.Lock()
+        self._runner = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def claim(self) -> int:
+        """Connect, claim the lease and start heartbeats; return the epoch.
+
+        Raises :class:`LeaseHeld` (with the holder in ``detail``),
+        :class:`PermissionDenied`, :class:`InvalidArgument`, or a psycopg
+        error for connection problems.
+        """
+        if self._state != "new":
+            raise PgBrokerError(f"a {type(self).__name__} claims once; this one is {self._state}")
+        conn = psycopg.Connection.connect(self.url, **self._connect_params())
+        try:
+            conn.execute(SESSION_SQL, self._session_params())
+            if self.dead_man is not None:
+                conn.execute(DEAD_MAN_SQL, {"ms": str(_ms(self.dead_man))})
+            cur = conn.execute(CLAIM_SQL, self._claim_params())
+            row = cur.fetchone()
+            assert row is not None
+            sent = time.monotonic()
+            cur = conn.execute(HEARTBEAT_SQL, {"name": self.name})
+            hb = cur.fetchone()
+            assert hb is not None
+        except psycopg.Error as exc:
+            conn.close()
+            _raise_translated(exc)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        self._epoch = int(row[0])
+        self._pid = conn.info.backend_pid
+        self._last_ok, self._heartbeat_at = sent, hb[0]
+        self._state = "held"
+        self._start_heartbeats()
+        return self._epoch
+
+    def release(self) -> bool:
+        """Hand the lease over cleanly (``broker_release``); False if the server says it was not ours.
+
+        Heartbeats stop first.  The connection stays open until :meth:`close`.
+        """
+        if self._state != "held":
+            raise LeaseLost(f'lease "{self.name}" is not held by this broker (it is {self._state})')
+        self._stop_heartbeats()
+        try:
+            released = self._scalar(RELEASE_SQL, {"name": self.name})
+        except BaseException:
+            if self._state == "held":
+                self._start_heartbeats()
+            raise
+        self._state = "released"
+        return bool(released)
+
+    def close(self) -> None:
+        """Release the lease if held (best effort) and close the connection.  Idempotent."""
+        self._stop_heartbeats()
+        if self._state == "held":
+            try:
+                self.release()
+            except Exception as exc:  # the connection may be gone; closing frees the lock anyway
+                log.debug("release on close failed: %s", exc)
+            self._stop_heartbeats()  # release() restarts them when it fails
+        if self._conn is not None:
+            self._conn.close()
+        if self._state in ("held", "released", "new"):
+            self._state = "closed"
+
+    def __enter__(self) -> Broker:
+        self.claim()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the API ---------------------------------------------------------------
+
+    def assert_epoch(self, conn: psycopg.Connection[Any] | psycopg.Cursor[Any]) -> None:
+        """Fence a write made on another connection: run ``pgbroker.broker_assert(name, epoch)`` on ``conn``.
+
+        Call it inside the transaction that does the write (``with
+        conn.transaction(): broker.assert_epoch(conn); ...``).  It first runs
+        :meth:`check` (no I/O), then raises :class:`StaleEpoch` when a newer
+        epoch exists or this broker's session is gone; until that transaction
+        ends, no new claim of the lease can commit.
+        """
+        self.check()
+        try:
+            conn.execute(ASSERT_SQL, {"name": self.name, "epoch": self.epoch})
+        except psycopg.Error as exc:
+            _raise_translated(exc)
+
+    def state_set(self, key: str, value: Any) -> None:
+        """Set ``key`` to ``value`` (anything JSON can hold) in this lease's broker state."""
+        self._execute(STATE_SET_SQL, {"name": self.name, "key": key, "value": Jsonb(value)})
+
+    def state_delete(self, key: str) -> bool:
+        """Delete ``key`` from this lease's broker state; False when it was not set."""
+        return bool(self._scalar(STATE_DELETE_SQL, {"name": self.name, "key": key}))
+
+    def status(self) -> dict[str, Any] | None:
+        """This lease's row of the view ``pgbroker.brokers`` (read on the broker connection)."""
+        rows = self._execute(STATUS_SQL, {"name": self.name}, dict_rows=True)
+        return rows[0] if rows else None
+
+    # -- clients, subscriptions, notifications ---------------------------------
+
+    def register(self, client_id: str, info: Any = None) -> bool:
+        """Register a client of this broker (``client_register``); True when it is new."""
+        params = {"client_id": client_id, "info": Jsonb(info or {}), "name": self.name}
+        return bool(self._scalar(REGISTER_SQL, params))
+
+    def update_client(self, client_id: str, info: Any) -> None:
+        """Replace a registered client's info; :class:`UnknownClient` when it is not registered."""
+        self._execute(CLIENT_UPDATE_SQL, {"client_id": client_id, "info": Jsonb(info or {}), "name": self.name})
+
+    def unregister(self, client_id: str) -> bool:
+        """Unregister a client and drop its subscriptions; False when it was not registered."""
+        return bool(self._scalar(UNREGISTER_SQL, {"client_id": client_id, "name": self.name}))
+
+    def subscribe(self, client_id: str, table: str, key: Any = None, *, wait: float = 5.0) -> bool:
+        """Subscribe ``client_id`` to the row of ``table`` with primary key ``key`` (None: the whole table).
+
+        ``key`` is a scalar for a one-column key, a list in key order for a
+        composite one.  Once this returns, every later change is delivered:
+        read the row *after* subscribing.  False when already subscribed.
+        """
+        params = {
+            "client_id": client_id,
+            "table": table,
+            "key": _key_param(key),
+            "name": self.name,
+            "wait": _interval(wait, "wait"),
+        }
+        return bool(self._scalar(SUBSCRIBE_SQL, params))
+
+    def unsubscribe(self, client_id: str, table: str, key: Any = None) -> bool:
+        """Drop one subscription; False when there was none."""
+        params = {"client_id": client_id, "table": table, "key": _key_param(key), "name": self.name}
+        return bool(self._scalar(UNSUBSCRIBE_SQL, params))
+
+    def fetch(self, max_rows: int = 1000, *, ack: list[int] | None = None) -> list[Notification]:
+        """Pending notifications, oldest first (``outbox_fetch``); they stay until acknowledged.
+
+        ``ack``: ids to acknowledge first, in the same round trip (see :meth:`ack`).
+        """
+        params = {"name": self.name, "max_rows": max_rows, "ack": ack}
+        return [Notification(*row) for row in self._execute(FETCH_SQL, params)]
+
+    def ack(self, ids: list[int]) -> int:
+        """Acknowledge delivered notifications (``outbox_ack``); returns how many were removed."""
+        return int(self._scalar(ACK_SQL, {"name": self.name, "ids": list(ids)})) if ids else 0
+
+    def notifications(
+        self,
+        *,
+        poll_interval: float = 1.0,
+        max_rows: int = 1000,
+        linger: float = 0.005,
+        batch_delay: float = 0.002,
+    ) -> Iterator[list[Notification]]:
+        """Yield batches of notifications for as long as the lease is held.
+
+        A batch is acknowledged when you ask for the next one, so a batch whose
+        handling raised (or after which you stopped iterating) is delivered
+        again: at-least-once.  The loop drains the outbox while it is awake
+        (``broker_wake``: writers then send no NOTIFY), keeps polling for
+        ``linger`` seconds once it is empty, then goes to sleep
+        (``broker_sleep``) and waits on ``LISTEN`` for at most
+        ``poll_interval`` seconds, so a missed NOTIFY delays a row by no more
+        than that.  Under load, after a batch smaller than ``max_rows`` it
+        waits ``batch_delay`` seconds before fetching again, so that rows
+        arrive in fewer, larger batches (fewer round trips and less CPU
+        taken from the writers, for at most that much latency).  Raises
+        :class:`LeaseLost` when the lease is lost.
+        """
+        channel = self._scalar(CHANNEL_SQL, {"name": self.name})
+        listener = psycopg.Connection.connect(self.url, **self._connect_params())
+        try:
+            listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
+            self._execute(WAKE_SQL, {"name": self.name})
+            idle_since: float | None = None
+            done: list[int] | None = None  # handled, not yet acknowledged
+            while True:
+                self.check()
+                batch = self.fetch(max_rows, ack=done)
+                done = None
+                if batch:
+                    yield batch
+                    done = [n.id for n in batch]
+                    idle_since = None
+                    if len(batch) < max_rows and batch_delay > 0:
+                        time.sleep(batch_delay)
+                    continue
+                now = time.monotonic()
+                if idle_since is None:
+                    idle_since = now
+                if now - idle_since < linger:
+                    time.sleep(min(0.001, linger))
+                    continue
+                state = self._scalar(SLEEP_SQL, {"name": self.name})
+                if state != "pending":
+                    timeout = poll_interval if state == "asleep" else min(poll_interval, 0.05)
+                    for _ in listener.notifies(timeout=min(timeout, self.guard / 2), stop_after=1):
+                        pass
+                    self._execute(WAKE_SQL, {"name": self.name})
+                idle_since = None
+        finally:
+            listener.close()
+
+    # -- plumbing --------------------------------------------------------------
+
+    def _execute(self, query: str, params: Any = None, *, dict_rows: bool = False) -> list[Any]:
+        """Run one statement on the broker connection and return its rows.
+
+        Serialised with the heartbeats; errors come out translated, and a
+        lost session as :class:`LeaseLost` (after ``on_lost`` ran).
+        """
+        with self._lock:
+            result = self._execute_locked(query, params, dict_rows)
+        if isinstance(result, Exception):
+            self._fire_on_lost()
+            raise result
+        return result
+
+    def _scalar(self, query: str, params: Any) -> Any:
+        """The first column of the first row of :meth:`_execute`."""
+        rows = self._execute(query, params)
+        return rows[0][0]
+
+    def _execute_locked(self, query: str, params: Any, dict_rows: bool) -> Any:
+        conn = self._conn
+        if conn is None or conn.closed:
+            return self._not_open()
+        try:
+            cur = conn.cursor(row_factory=dict_row) if dict_rows else conn.cursor()
+            with cur:
+                cur.execute(query, params)
+                return cur.fetchall() if cur.description is not None else []
+        except psycopg.Error as exc:
+            return self._classify(conn, exc)
+        finally:
+            self._ops += 1
+
+    def _fire_on_lost(self) -> None:
+        callback = self._take_on_lost()
+        if callback is None:
+            return
+        assert self._lost is not None
+        try:
+            callback(self._lost)
+        except Exception:
+            log.exception("on_lost callback of %r failed", self)
+
+    def _start_heartbeats(self) -> None:
+        assert self._conn is not None
+        self._stopping = False
+        self._waiter = _Waiter(self._conn.fileno())
+        runner_name = f"pgbroker-heartbeat-{self.name}"
+        self._runner = threading.Thread(target=self._heartbeat_main, name=runner_name, daemon=True)
+        self._runner.start()
+
+    def _stop_heartbeats(self) -> None:
+        runner, waiter = self._runner, self._waiter
+        if runner is None or waiter is None:
+            return
+        self._stopping = True
+        waiter.wake()
+        # A heartbeat stuck on a dead network ends within keepalive.user_timeout.
+        if runner is not threading.current_thread():
+            runner.join(self.keepalive.user_timeout + 1.0)
+        waiter.close()
+        self._runner = self._waiter = None
+
+    def _heartbeat_main(self) -> None:
+        try:
+            self._heartbeat_loop()
+        except Exception:  # a bug: check() still stops the holder once guard runs out
+            log.exception("heartbeat runner of %r crashed", self)
+
+    def _heartbeat_loop(self) -> None:
+        waiter = self._waiter
+        assert waiter is not None
+        next_due = time.monotonic() + self.heartbeat_interval
+        last_attempt = time.monotonic()
+        while not self._stopping and self._state == "held":
+            ops = self._ops
+            timeout = next_due - time.monotonic()
+            why = waiter.wait(timeout)
+            if why == "stop" or self._stopping:
+                return
+            if why == "data":
+                # Unsolicited data (a FATAL message, EOF, a NOTICE) or the reply
+                # to an API call that another caller is reading right now.
+                gap = _MIN_WAKE_GAP - (time.monotonic() - last_attempt)
+                if gap > 0:
+                    time.sleep(gap)
+            with self._lock:
+                if self._stopping:
+                    return
+                if why == "data" and self._ops != ops:
+                    continue  # an API call consumed it; it would have seen a loss too
+                last_attempt = time.monotonic()
+                result = self._execute_locked(HEARTBEAT_SQL, {"name": self.name}, False)
+            if isinstance(result, Exception):
+                if self._lost is not None:
+                    self._fire_on_lost()
+                    return
+                log.warning("heartbeat of %r failed (will retry): %s", self, result)
+            else:
+                self._last_ok, self._heartbeat_at = last_attempt, result[0][0]
+            next_due = time.monotonic() + self.heartbeat_interval

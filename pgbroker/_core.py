@@ -1,0 +1,409 @@
+"""What :class:`~pgbroker.broker.Broker` and :class:`~pgbroker.broker.AsyncBroker` share, with no I/O of its own.
+
+Every statement the Python layer runs (``*_SQL``), the parameters it binds,
+the settings and their checks, the lease's state and :meth:`_BrokerBase.check`.
+The flavours are in :mod:`pgbroker._broker_async` (the source) and
+:mod:`pgbroker._broker_sync` (generated from it by :mod:`pgbroker._gen_sync`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from pgbroker.errors import LeaseLost, PgBrokerError, translate
+from pgbroker.install import libpq_url
+
+log = logging.getLogger("pgbroker.broker")
+
+# Every statement the Python layer runs.  Always schema-qualified, always with
+# bound parameters.  The broker session turns statement_timeout off: the
+# claim's ``wait`` is its only time limit (wait => NULL must mean forever).
+SESSION_SQL = """\
+SELECT pg_catalog.set_config('tcp_keepalives_idle', %(idle)s, false),
+       pg_catalog.set_config('tcp_keepalives_interval', %(interval)s, false),
+       pg_catalog.set_config('tcp_keepalives_count', %(count)s, false),
+       pg_catalog.set_config('tcp_user_timeout', %(user_timeout)s, false),
+       pg_catalog.set_config('statement_timeout', '0', false)"""
+DEAD_MAN_SQL = "SELECT pg_catalog.set_config('idle_session_timeout', %(ms)s, false)"
+CLAIM_SQL = (
+    "SELECT pgbroker.broker_claim(name => %(name)s, wait => %(wait)s, takeover => %(takeover)s,"
+    " stale_after => %(stale_after)s, info => %(info)s)"
+)
+HEARTBEAT_SQL = "SELECT pgbroker.broker_heartbeat(name => %(name)s)"
+RELEASE_SQL = "SELECT pgbroker.broker_release(name => %(name)s)"
+ASSERT_SQL = "SELECT pgbroker.broker_assert(name => %(name)s, epoch => %(epoch)s)"
+STATE_SET_SQL = "SELECT pgbroker.broker_state_set(name => %(name)s, key => %(key)s, value => %(value)s)"
+STATE_DELETE_SQL = "SELECT pgbroker.broker_state_delete(name => %(name)s, key => %(key)s)"
+STATUS_SQL = "SELECT * FROM pgbroker.brokers WHERE name = %(name)s"
+REGISTER_SQL = "SELECT pgbroker.client_register(client_id => %(client_id)s, info => %(info)s, name => %(name)s)"
+CLIENT_UPDATE_SQL = "SELECT pgbroker.client_update(client_id => %(client_id)s, info => %(info)s, name => %(name)s)"
+UNREGISTER_SQL = "SELECT pgbroker.client_unregister(client_id => %(client_id)s, name => %(name)s)"
+SUBSCRIBE_SQL = (
+    'SELECT pgbroker.subscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, key => %(key)s,'
+    " name => %(name)s, wait => %(wait)s)"
+)
+UNSUBSCRIBE_SQL = (
+    'SELECT pgbroker.unsubscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, key => %(key)s,'
+    " name => %(name)s)"
+)
+FETCH_SQL = (
+    'SELECT id, "table", op, key, changed, clients, at FROM pgbroker.outbox_fetch(%(name)s, %(max_rows)s, %(ack)s)'
+)
+ACK_SQL = "SELECT pgbroker.outbox_ack(%(name)s, %(ids)s)"
+WAKE_SQL = "SELECT pgbroker.broker_wake(%(name)s)"
+SLEEP_SQL = "SELECT pgbroker.broker_sleep(%(name)s)"
+CHANNEL_SQL = "SELECT pgbroker.wakeup_channel(%(name)s)"
+BROKERS_SQL = "SELECT * FROM pgbroker.brokers ORDER BY name"
+HISTORY_SQL = """\
+SELECT * FROM pgbroker.lease_history
+ WHERE (%(name)s::text IS NULL OR name = %(name)s::text) AND id > %(after_id)s
+ ORDER BY id"""
+
+# Pause between two heartbeats triggered by unsolicited data on the socket
+# (NOTICEs, NOTIFYs), so that a stream of them cannot turn into a busy loop.
+_MIN_WAKE_GAP = 0.05
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """TCP liveness settings, applied to both ends of the broker connection.
+
+    Client side they are libpq parameters (``keepalives_idle`` ...,
+    ``tcp_user_timeout``); server side the session settings
+    ``tcp_keepalives_idle`` ..., ``tcp_user_timeout``.  Over a Unix socket
+    both ends ignore them (there is no network to fail).
+
+    ``idle``, ``interval`` (seconds) and ``count``: probe a silent connection
+    after ``idle`` seconds, every ``interval`` seconds, and drop it after
+    ``count`` unanswered probes.  ``user_timeout`` (seconds): drop the
+    connection when sent data stays unacknowledged that long.
+    """
+
+    idle: int = 5
+    interval: int = 1
+    count: int = 3
+    user_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.idle < 1 or self.interval < 1 or self.count < 1 or self.user_timeout <= 0:
+            raise ValueError(f"keepalive settings must be positive: {self}")
+
+    @property
+    def server_bound(self) -> float:
+        """The earliest the server can drop a silent connection of this session (seconds)."""
+        return float(min(self.idle, self.user_timeout))
+
+    def libpq_params(self) -> dict[str, Any]:
+        return {
+            "keepalives": 1,
+            "keepalives_idle": self.idle,
+            "keepalives_interval": self.interval,
+            "keepalives_count": self.count,
+            "tcp_user_timeout": _ms(self.user_timeout),
+        }
+
+
+@dataclass(frozen=True)
+class Notification:
+    """One outbox row: a change of a watched row and the clients that must hear of it.
+
+    ``op`` is ``"I"``, ``"U"``, ``"D"`` or ``"T"`` (truncate); ``key`` the
+    row's primary key as decoded JSON (a scalar, or a list for a composite
+    key; None for a truncate); ``changed`` the names of the changed columns
+    (updates only); ``clients`` the client ids to tell.  The row's values are
+    not carried: read the row.
+    """
+
+    id: int
+    table: str
+    op: str
+    key: Any
+    changed: list[str] | None
+    clients: list[str]
+    at: Any
+
+
+def _key_param(key: Any) -> Jsonb | None:
+    return None if key is None else Jsonb(key)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _interval(seconds: float | timedelta | None, what: str) -> timedelta | None:
+    if seconds is None or isinstance(seconds, timedelta):
+        return seconds
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"{what} must be seconds (a number), a timedelta or None, not {seconds!r}")
+    return timedelta(seconds=seconds)
+
+
+def _raise_translated(exc: psycopg.Error) -> NoReturn:
+    """Raise the pgbroker exception for ``exc`` (chained to it), or ``exc`` itself."""
+    new = translate(exc)
+    if new is exc:
+        raise exc
+    raise new from exc
+
+
+def _default_info() -> str:
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
+def _is_loss(conn: psycopg.BaseConnection[Any], exc: psycopg.Error) -> bool:
+    """Does this error mean the session (and so the lease) is gone or not ours?"""
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    return bool(
+        conn.broken or conn.closed or sqlstate == "PB001" or sqlstate.startswith("08") or sqlstate.startswith("57P")
+    )
+
+
+class _Waiter:
+    """Sleep until data arrives on the connection's socket, a timeout, or :meth:`wake`."""
+
+    def __init__(self, fd: int):
+        self._rsock, self._wsock = socket.socketpair()
+        self._rsock.setblocking(False)
+        self._wsock.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._rsock, selectors.EVENT_READ, "stop")
+        self._selector.register(fd, selectors.EVENT_READ, "data")
+
+    def wait(self, timeout: float) -> str:
+        """``"stop"``, ``"data"`` or ``"timeout"``."""
+        try:
+            events = self._selector.select(max(0.0, timeout))
+        except (OSError, ValueError):  # the socket went away under us
+            return "data"
+        kinds = {key.data for key, _ in events}
+        if "stop" in kinds:
+            return "stop"
+        return "data" if kinds else "timeout"
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wsock.send(b"x")
+
+    def close(self) -> None:
+        self._selector.close()
+        self._rsock.close()
+        self._wsock.close()
+
+
+class _BrokerBase:
+    """What :class:`Broker` and :class:`AsyncBroker` share: settings, state, :meth:`check` (no I/O)."""
+
+    def __init__(
+        self,
+        url: str,
+        name: str = "default",
+        *,
+        wait: float | timedelta | None = 0,
+        takeover: bool = False,
+        stale_after: float | timedelta | None = None,
+        info: str | None = None,
+        heartbeat_interval: float = 1.0,
+        guard: float | None = None,
+        dead_man: float | None = None,
+        keepalive: Keepalive | None = None,
+        on_lost: Callable[[LeaseLost], Any] | None = None,
+        application_name: str = "pgbroker",
+        connect_timeout: int = 10,
+    ):
+        self.url = libpq_url(url)
+        self.name = name
+        self.wait = _interval(wait, "wait")
+        self.takeover = takeover
+        self.stale_after = _interval(stale_after, "stale_after")
+        self.info = _default_info() if info is None else info
+        self.keepalive = keepalive or Keepalive()
+        self.dead_man = dead_man
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.on_lost = on_lost
+        self.application_name = application_name
+        self.connect_timeout = connect_timeout
+
+        if dead_man is not None and dead_man <= 0:
+            raise ValueError(f"dead_man must be positive seconds, not {dead_man!r}")
+        if self.heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be positive, not {heartbeat_interval!r}")
+        limit = self.keepalive.server_bound
+        if dead_man is not None:
+            limit = min(limit, float(dead_man))
+        self.guard = float(guard) if guard is not None else min(3 * self.heartbeat_interval, 0.8 * limit)
+        if not self.heartbeat_interval < self.guard < limit:
+            raise ValueError(
+                f"need heartbeat_interval < guard < {limit:g} s (the earliest the server may end a silent "
+                f"session: keepalive idle / user_timeout / dead_man); got heartbeat_interval="
+                f"{self.heartbeat_interval:g}, guard={self.guard:g}"
+            )
+
+        self._epoch: int | None = None
+        self._pid: int | None = None
+        self._state = "new"  # new -> held -> released | lost | closed
+        self._lost: LeaseLost | None = None
+        self._lost_fired = False
+        self._flag_lock = threading.Lock()
+        self._last_ok = 0.0  # time.monotonic() when the last good heartbeat was sent
+        self._heartbeat_at: Any = None  # server time of that heartbeat
+        self._ops = 0  # statements completed by API calls (see the watcher)
+        self._stopping = False
+        self._waiter: _Waiter | None = None
+        self._setup()
+
+    def _setup(self) -> None:
+        """The flavour's connection, lock and heartbeat runner."""
+        raise NotImplementedError
+
+    # -- read-only view of the lease ---------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The fencing token returned by ``broker_claim()``."""
+        if self._epoch is None:
+            raise PgBrokerError(f'lease "{self.name}" has not been claimed yet')
+        return self._epoch
+
+    @property
+    def pid(self) -> int | None:
+        """Backend pid of the broker session (``holder_pid`` in ``pgbroker.brokers``)."""
+        return self._pid
+
+    @property
+    def held(self) -> bool:
+        """Claimed, not released, not known to be lost (see :meth:`check` for the time guard)."""
+        return self._state == "held"
+
+    @property
+    def lost(self) -> bool:
+        """True once the broker learnt that its session or lease is gone."""
+        return self._lost is not None
+
+    @property
+    def lost_reason(self) -> LeaseLost | None:
+        """The :class:`LeaseLost` passed to ``on_lost`` (its ``__cause__`` is the driver error)."""
+        return self._lost
+
+    @property
+    def heartbeat_at(self) -> Any:
+        """Server time (datetime) of the last successful heartbeat."""
+        return self._heartbeat_at
+
+    def check(self) -> float:
+        """Raise :class:`LeaseLost` unless this broker may still act as the holder.
+
+        Raises when the lease was lost or released, and when no heartbeat was
+        confirmed for ``guard`` seconds (not sticky: a later good heartbeat
+        clears it).  Returns the seconds left before the guard runs out; keep
+        each action shorter than that.  No I/O: call it as often as you like.
+        """
+        if self._lost is not None:
+            raise LeaseLost(str(self._lost), sqlstate=self._lost.sqlstate) from self._lost
+        if self._state != "held":
+            raise LeaseLost(f'lease "{self.name}" is not held by this broker (it is {self._state})')
+        age = time.monotonic() - self._last_ok
+        if age >= self.guard:
+            raise LeaseLost(
+                f'lease "{self.name}" (epoch {self._epoch}): no heartbeat confirmed for {age:.2f} s '
+                f"(guard {self.guard:g} s); the server may free the lock soon, stop acting"
+            )
+        return self.guard - age
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} epoch={self._epoch} pid={self._pid} {self._state}>"
+
+    # -- plumbing shared by both flavours ------------------------------------
+
+    def _connect_params(self) -> dict[str, Any]:
+        return {
+            "autocommit": True,
+            "application_name": self.application_name,
+            "connect_timeout": self.connect_timeout,
+            **self.keepalive.libpq_params(),
+        }
+
+    def _session_params(self) -> dict[str, str]:
+        k = self.keepalive
+        return {
+            "idle": str(k.idle),
+            "interval": str(k.interval),
+            "count": str(k.count),
+            "user_timeout": str(_ms(k.user_timeout)),
+        }
+
+    def _claim_params(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "wait": self.wait,
+            "takeover": self.takeover,
+            "stale_after": self.stale_after,
+            "info": self.info,
+        }
+
+    def _classify(self, conn: psycopg.BaseConnection[Any], exc: psycopg.Error) -> Exception:
+        """The exception to raise for a failed statement; marks the broker lost when it is."""
+        if self._state == "held" and _is_loss(conn, exc):
+            return self._mark_lost(f"{exc}".strip(), getattr(exc, "sqlstate", None), exc)
+        return translate(exc)
+
+    def _mark_lost(self, why: str, sqlstate: str | None, cause: BaseException | None) -> LeaseLost:
+        """Record the loss (the first one wins) and return it."""
+        lost = LeaseLost(f'lease "{self.name}" (epoch {self._epoch}) lost: {why}', sqlstate=sqlstate)
+        lost.__cause__ = cause
+        with self._flag_lock:
+            if self._lost is None:
+                self._lost = lost
+                self._state = "lost"
+            return self._lost
+
+    def _not_open(self) -> LeaseLost:
+        """The error for a call on a connection that is gone (closed by us, or dropped)."""
+        if self._state == "held":
+            return self._mark_lost("the broker connection is closed", None, None)
+        if self._lost is not None:
+            error = LeaseLost(str(self._lost), sqlstate=self._lost.sqlstate)
+            error.__cause__ = self._lost
+            return error
+        return LeaseLost(f'lease "{self.name}": the broker connection is not open (it is {self._state})')
+
+    def _take_on_lost(self) -> Callable[[LeaseLost], Any] | None:
+        """The callback to run now, once per broker, if the broker is lost."""
+        with self._flag_lock:
+            if self._lost is None or self._lost_fired:
+                return None
+            self._lost_fired = True
+        return self.on_lost or (lambda exc: log.warning("%s", exc))
+
+
+def list_brokers(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+    """Every row of the view ``pgbroker.brokers``, as dicts (needs ``pgbroker_reader``)."""
+    try:
+        with conn.cursor(row_factory=dict_row) as cur:
+            return cur.execute(BROKERS_SQL).fetchall()
+    except psycopg.Error as exc:
+        _raise_translated(exc)
+
+
+def lease_history(conn: psycopg.Connection[Any], name: str | None = None, after_id: int = 0) -> list[dict[str, Any]]:
+    """Rows of ``pgbroker.lease_history`` (of one lease name if given) with ``id > after_id``, oldest first."""
+    try:
+        with conn.cursor(row_factory=dict_row) as cur:
+            return cur.execute(HISTORY_SQL, {"name": name, "after_id": after_id}).fetchall()
+    except psycopg.Error as exc:
+        _raise_translated(exc)
