@@ -5,43 +5,99 @@ The target database is, in order: the ``url`` attribute passed by
 ``DATABASE_URL`` environment variable (a ``postgresql://`` URL).
 
 pgbroker's version table is ``pgbroker.alembic_version``, so a host
-application's own ``alembic_version`` is never touched.  After a downgrade to
-base, the version table and the (then empty) schema are dropped too.
+application's own ``alembic_version`` is never touched.  The schema is
+created only by commands that change the database (``upgrade``, ``stamp``);
+``alembic current`` only looks.  After a downgrade to base, the version
+table and the (then empty) schema are dropped too.
+
+A bad URL, an unreachable server or a missing database ends the command
+with one line saying so, not a traceback.
 """
 
 from __future__ import annotations
 
-from alembic import context
-from sqlalchemy import create_engine, pool
+import logging
+import os
+from logging.config import fileConfig
 
-from pgbroker.install import VERSION_TABLE, VERSION_TABLE_SCHEMA, sqlalchemy_url
+import sqlalchemy.exc
+from alembic import context
+from sqlalchemy import create_engine, pool, text
+
+from pgbroker.install import (
+    URL_FORM,
+    VERSION_TABLE,
+    VERSION_TABLE_SCHEMA,
+    InstallError,
+    connection_error,
+    describe,
+    sqlalchemy_url,
+)
 
 config = context.config
+if config.config_file_name is not None:
+    # alembic.ini's logging: `alembic upgrade head` says which revisions it ran.
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+log = logging.getLogger("alembic.env")
 
 
 def _url() -> str:
     url = config.attributes.get("url") or context.get_x_argument(as_dictionary=True).get("url")
     if not url:
-        import os
-
         url = os.environ.get("DATABASE_URL")
     if not url:
-        raise SystemExit("pgbroker: set DATABASE_URL (postgresql://user@host:port/dbname) or pass -x url=...")
-    return sqlalchemy_url(url)
+        raise SystemExit(f"pgbroker: no database given: set DATABASE_URL ({URL_FORM}) or pass -x url=...")
+    return url
+
+
+def _schema_version(connection: sqlalchemy.Connection) -> str | None:
+    """pgbroker.schema_version() when the schema has it (installed through any alembic environment)."""
+    if connection.execute(text("SELECT to_regprocedure('pgbroker.schema_version()')")).scalar() is None:
+        return None
+    return connection.execute(text("SELECT pgbroker.schema_version()")).scalar()
+
+
+def _has_version_table(connection: sqlalchemy.Connection) -> bool:
+    found = connection.execute(text(f"SELECT to_regclass('{VERSION_TABLE_SCHEMA}.{VERSION_TABLE}')")).scalar()
+    return found is not None
 
 
 def run_migrations_online() -> None:
-    engine = create_engine(_url(), poolclass=pool.NullPool)
+    url = _url()
     try:
-        with engine.connect() as connection:
-            connection.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {VERSION_TABLE_SCHEMA}")
-            connection.commit()
+        engine = create_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
+    except (InstallError, ValueError, sqlalchemy.exc.ArgumentError) as exc:
+        raise SystemExit(f"pgbroker: {exc}") from None
+    try:
+        try:
+            connection = engine.connect()
+        except sqlalchemy.exc.OperationalError as exc:
+            raise SystemExit(f"pgbroker: {connection_error(url, exc)}") from None
+        with connection:
             context.configure(
                 connection=connection,
                 version_table=VERSION_TABLE,
                 version_table_schema=VERSION_TABLE_SCHEMA,
                 transactional_ddl=True,
             )
+            looking_only = bool(context.get_context().opts.get("dont_mutate"))  # alembic current
+            if not _has_version_table(connection):
+                elsewhere = _schema_version(connection)
+                if elsewhere is not None:
+                    # Installed through an application's alembic environment: its version table has the revisions.
+                    message = (
+                        f"pgbroker schema version {elsewhere} is installed in {describe(url)} through another "
+                        "alembic environment (its alembic_version records pgbroker's revisions)"
+                    )
+                    if looking_only:
+                        log.info("%s", message)
+                        return
+                    raise SystemExit(f"pgbroker: {message}: run alembic there")
+                if looking_only:
+                    log.info("pgbroker is not installed in %s (alembic upgrade head installs it)", describe(url))
+                    return
+                connection.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {VERSION_TABLE_SCHEMA}")
+                connection.commit()
             with context.begin_transaction():
                 context.run_migrations()
                 # At base: remove the version table and the schema if nothing else is in it.
@@ -49,7 +105,8 @@ def run_migrations_online() -> None:
                     """
                     DO $drop$
                     BEGIN
-                        IF NOT EXISTS (SELECT FROM pgbroker.alembic_version) THEN
+                        IF to_regclass('pgbroker.alembic_version') IS NOT NULL
+                           AND NOT EXISTS (SELECT FROM pgbroker.alembic_version) THEN
                             DROP TABLE pgbroker.alembic_version;
                             BEGIN
                                 DROP SCHEMA pgbroker;

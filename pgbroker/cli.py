@@ -1,5 +1,6 @@
 """The ``pgbroker`` command: install, inspect and demonstrate pgbroker.
 
+    pgbroker --version                                      the package's version and its schema version
     pgbroker migrate       [--url URL] [--revision heads] [--no-initech]
                                                             install or upgrade the schema
     pgbroker downgrade     [--url URL] [--revision base]    base removes everything pgbroker created
@@ -61,16 +62,16 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
     return "\n".join(indent + line for line in lines)
 
 
-def _describe(url: str) -> str:
-    """``dbname on host:port`` for a URL, without its password."""
-    from psycopg.conninfo import conninfo_to_dict
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    from pgbroker.install import libpq_url
+    from pgbroker.install import SCHEMA_VERSION
 
-    info = conninfo_to_dict(libpq_url(url))
-    host = info.get("host") or "local socket"
-    port = f":{info['port']}" if info.get("port") else ""
-    return f"database {info.get('dbname') or '(default)'} on {host}{port}"
+    try:
+        number = version("pgbroker")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        from pgbroker import __version__ as number
+    return f"pgbroker {number} (schema version {SCHEMA_VERSION})"
 
 
 def _heads() -> tuple[str, ...]:
@@ -88,8 +89,18 @@ def _heads() -> tuple[str, ...]:
 def _cmd_migrate(url: str, revision: str, initech: bool = True) -> int:
     from pgbroker import install
 
-    install.migrate(url, revision, initech=initech)
-    print(f"pgbroker: {_describe(url)} is at revision {', '.join(install.current_revision(url)) or 'base'}")
+    done = install.migrate(url, revision, initech=initech)
+    where = install.describe(url)
+    if done.elsewhere:
+        print(
+            f"pgbroker: {where} already has pgbroker schema version {done.schema_version}, installed through "
+            "another alembic environment (its alembic_version records pgbroker's revisions): nothing to do"
+        )
+    else:
+        print(
+            f"pgbroker: {where} is at revision {', '.join(done.revisions) or 'base'} "
+            f"(schema version {done.schema_version or 'none'})"
+        )
     return 0
 
 
@@ -98,7 +109,7 @@ def _cmd_downgrade(url: str, revision: str) -> int:
 
     install.downgrade(url, revision)
     now = install.current_revision(url)
-    print(f"pgbroker: {_describe(url)} is at revision {', '.join(now) if now else 'base (pgbroker removed)'}")
+    print(f"pgbroker: {install.describe(url)} is at revision {', '.join(now) if now else 'base (pgbroker removed)'}")
     return 0
 
 
@@ -108,14 +119,24 @@ def _cmd_status(url: str) -> int:
     from pgbroker import install
     from pgbroker.broker import list_brokers
 
-    revisions = install.current_revision(url)
-    print(f"pgbroker status of {_describe(url)}")
-    if not revisions:
+    found = install.installation(url)
+    print(f"pgbroker status of {install.describe(url)}")
+    if not found.installed:
         print("pgbroker is not installed here (run: pgbroker migrate)", file=sys.stderr)
         return 1
-    heads = _heads()
-    freshness = "up to date" if set(revisions) == set(heads) else f"latest is {', '.join(heads)}: run pgbroker migrate"
-    print(f"revision: {', '.join(revisions)} ({freshness})")
+    if found.elsewhere:
+        fresh = found.schema_version == install.SCHEMA_VERSION
+        freshness = "up to date" if fresh else f"this package's is {install.SCHEMA_VERSION}: run alembic upgrade heads"
+        print(
+            f"schema version: {found.schema_version} ({freshness}), installed through another alembic environment "
+            "(its alembic_version records pgbroker's revisions)"
+        )
+    else:
+        heads = _heads()
+        fresh = set(found.revisions) == set(heads)
+        freshness = "up to date" if fresh else f"latest is {', '.join(heads)}: run pgbroker migrate"
+        print(f"revision: {', '.join(found.revisions)} ({freshness})")
+        print(f"schema version: {found.schema_version}")
     with psycopg.connect(install.libpq_url(url)) as conn:
         rows = list_brokers(conn)
     if not rows:
@@ -138,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
         description="pgbroker: install the SQL package, inspect leases, run the demo.",
         epilog="URL defaults to $DATABASE_URL (postgresql://user@host:port/dbname).",
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_url(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -187,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from pgbroker.errors import PgBrokerError
+    from pgbroker.install import InstallError
 
     try:
         if args.command == "migrate":
@@ -194,7 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "downgrade":
             return _cmd_downgrade(url, args.revision)
         return _cmd_status(url)
-    except (psycopg.Error, SQLAlchemyError, PgBrokerError, ValueError) as exc:
+    except InstallError as exc:  # bad URL, unreachable server, missing database, installed elsewhere
+        print(f"pgbroker {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (psycopg.Error, SQLAlchemyError, PgBrokerError) as exc:
         message = str(getattr(exc, "orig", None) or exc).strip()
         print(f"pgbroker {args.command}: {type(exc).__name__}: {message}", file=sys.stderr)
         return 1

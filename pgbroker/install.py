@@ -1,23 +1,59 @@
-"""Install pgbroker: apply its alembic migrations, from a checkout or an installed wheel."""
+"""Install pgbroker: apply its alembic migrations, from a checkout or an installed wheel.
+
+Two ways in, and both are recognised here:
+
+- pgbroker's own alembic environment (``pgbroker migrate``, :func:`migrate`,
+  ``alembic upgrade head`` from a checkout) records its revisions in
+  ``pgbroker.alembic_version``;
+- an application's alembic environment with pgbroker's revisions in its
+  ``version_locations`` records them in the application's version table.
+
+Either way the schema knows its own version: ``pgbroker.schema_version()``
+returns the revision id of the installed core (:func:`installed_version`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pgbroker.errors import PgBrokerError
+
+if TYPE_CHECKING:
+    import psycopg
+    from alembic.config import Config
 
 VERSION_TABLE = "alembic_version"
 VERSION_TABLE_SCHEMA = "pgbroker"
 BRANCH_LABEL = "pgbroker"
+# The revision that installs the core schema, as this package knows it; what
+# pgbroker.schema_version() returns once this package's migrations have run.
+SCHEMA_VERSION = "pgbroker_0001_baseline"
+URL_FORM = "postgresql://user:password@host:port/dbname"
 
 __all__ = [
     "BRANCH_LABEL",
+    "SCHEMA_VERSION",
+    "InstallError",
+    "Installation",
     "migrate",
     "downgrade",
     "current_revision",
+    "installed_version",
+    "installation",
     "migrations_path",
+    "versions_path",
     "sql_path",
     "sqlalchemy_url",
 ]
+
+
+class InstallError(PgBrokerError):
+    """The database cannot be reached or installed into; the message is one line saying why and what to do."""
 
 
 def _data_dir(name: str) -> Path:
@@ -46,12 +82,27 @@ def sql_path() -> Path:
     return _data_dir("sql")
 
 
+def check_url(url: str) -> str:
+    """``url`` as a libpq URL, or :class:`InstallError` saying what is wrong with it (nothing is contacted)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    prefixes = ("postgresql+psycopg://", "postgresql://", "postgres://")
+    if not url.startswith(prefixes):
+        raise InstallError(f"not a PostgreSQL URL: {redact(url)!r} (expected {URL_FORM})")
+    libpq = "postgresql://" + url.split("://", 1)[1]
+    try:
+        info = conninfo_to_dict(libpq)
+    except Exception as exc:  # psycopg.ProgrammingError: libpq's parser
+        raise InstallError(f"bad PostgreSQL URL {redact(url)!r}: {_first_line(exc)} (expected {URL_FORM})") from None
+    port = str(info.get("port") or "")
+    if port and not all(part.isdigit() for part in port.split(",")):
+        raise InstallError(f"bad PostgreSQL URL {redact(url)!r}: port {port!r} is not a number (expected {URL_FORM})")
+    return libpq
+
+
 def sqlalchemy_url(url: str) -> str:
-    """Turn a libpq-style ``postgresql://`` URL into SQLAlchemy's psycopg 3 form."""
-    for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
-    raise ValueError(f"not a postgresql:// URL: {url!r}")
+    """Turn a libpq-style ``postgresql://`` URL into SQLAlchemy's psycopg 3 form (:class:`InstallError` if bad)."""
+    return "postgresql+psycopg://" + check_url(url)[len("postgresql://") :]
 
 
 def libpq_url(url: str) -> str:
@@ -59,7 +110,49 @@ def libpq_url(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
-def _config(url: str, *, initech: bool = True):  # -> alembic.config.Config
+def redact(url: str) -> str:
+    """``url`` without its password."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def describe(url: str) -> str:
+    """``database NAME on HOST:PORT`` for a URL, without its password."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    info = conninfo_to_dict(check_url(url))
+    host = info.get("host") or "local socket"
+    port = f":{info['port']}" if info.get("port") else ""
+    return f"database {info.get('dbname') or '(default)'} on {host}{port}"
+
+
+def connection_error(url: str, exc: BaseException) -> InstallError:
+    """A failed connection as one line naming the database (server down, no such database, auth...)."""
+    return InstallError(f"cannot connect to {describe(url)}: {_first_line(exc)}")
+
+
+@contextmanager
+def _connect(url: str) -> Iterator[psycopg.Connection]:
+    import psycopg
+
+    conninfo = check_url(url)
+    try:
+        conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
+    except psycopg.OperationalError as exc:
+        raise connection_error(url, exc) from None
+    with conn:
+        yield conn
+
+
+def _config(url: str, *, initech: bool = True) -> Config:
     from alembic.config import Config
 
     cfg = Config()
@@ -70,32 +163,100 @@ def _config(url: str, *, initech: bool = True):  # -> alembic.config.Config
     return cfg
 
 
-def migrate(url: str, revision: str = "heads", *, initech: bool = True) -> None:
-    """Upgrade the database at ``url`` to ``revision`` (all of pgbroker by default).
+@dataclass(frozen=True)
+class Installation:
+    """What a database holds of pgbroker.
+
+    ``schema_version``: the installed core's revision (None: not installed);
+    ``revisions``: what pgbroker's own alembic environment recorded in
+    ``pgbroker.alembic_version`` (empty when it was installed through another
+    alembic environment, or not at all).
+    """
+
+    schema_version: str | None
+    revisions: tuple[str, ...]
+
+    @property
+    def installed(self) -> bool:
+        return self.schema_version is not None
+
+    @property
+    def elsewhere(self) -> bool:
+        """Installed through another alembic environment (an application's), not pgbroker's own."""
+        return self.installed and not self.revisions
+
+
+def _installation(conn: psycopg.Connection) -> Installation:
+    revisions: tuple[str, ...] = ()
+    if conn.execute("SELECT to_regclass('pgbroker.alembic_version')").fetchone()[0] is not None:
+        revisions = tuple(r[0] for r in conn.execute("SELECT version_num FROM pgbroker.alembic_version ORDER BY 1"))
+    version: str | None = None
+    if conn.execute("SELECT to_regprocedure('pgbroker.schema_version()')").fetchone()[0] is not None:
+        version = conn.execute("SELECT pgbroker.schema_version()").fetchone()[0]
+    elif revisions:
+        # A schema from before schema_version() existed: its alembic revision.
+        version = revisions[-1]
+    return Installation(version, revisions)
+
+
+def installation(url: str) -> Installation:
+    """Inspect the database at ``url`` (:class:`InstallError` when it cannot be reached)."""
+    with _connect(url) as conn:
+        return _installation(conn)
+
+
+def installed_version(url: str) -> str | None:
+    """The revision id of the installed core schema (``pgbroker.schema_version()``); None when not installed."""
+    return installation(url).schema_version
+
+
+def migrate(url: str, revision: str = "heads", *, initech: bool = True) -> Installation:
+    """Upgrade the database at ``url`` to ``revision`` (all of pgbroker by default); return what it holds then.
 
     ``initech=False`` installs the core without the reference table
-    ``initech.objects`` (revision 0003 then records itself and does nothing).
+    ``initech.objects`` (its revision then records itself and does nothing).
+
+    When pgbroker was installed through an application's alembic environment
+    (its revisions recorded in the application's version table), there is
+    nothing to do here if that schema is this package's version; if it is
+    another, :class:`InstallError` says to upgrade through that environment.
     """
     from alembic import command
 
-    command.upgrade(_config(url, initech=initech), revision)
+    found = installation(url)
+    if found.elsewhere:
+        if found.schema_version == SCHEMA_VERSION:
+            return found
+        raise InstallError(
+            f"{describe(url)} has pgbroker schema version {found.schema_version}, installed through another alembic "
+            f"environment (its alembic_version records pgbroker's revisions), and this package's is {SCHEMA_VERSION}: "
+            "upgrade it there, with `alembic upgrade heads` in that project"
+        )
+    _run_alembic(url, lambda cfg: command.upgrade(cfg, revision), initech=initech)
+    return installation(url)
+
+
+def _run_alembic(url: str, action: Callable[[Config], object], *, initech: bool = True) -> None:
+    """Run an alembic command against ``url`` (already checked to be reachable by the caller)."""
+    action(_config(url, initech=initech))
 
 
 def downgrade(url: str, revision: str = "base") -> None:
     """Downgrade; ``base`` removes every object pgbroker created."""
     from alembic import command
 
-    command.downgrade(_config(url), revision)
+    found = installation(url)
+    if found.elsewhere:
+        raise InstallError(
+            f"pgbroker was installed in {describe(url)} through another alembic environment (its alembic_version "
+            "records pgbroker's revisions): downgrade it there, with `alembic downgrade` in that project"
+        )
+    _run_alembic(url, lambda cfg: command.downgrade(cfg, revision))
 
 
 def current_revision(url: str) -> tuple[str, ...]:
-    """The pgbroker revisions the database is at (empty when not installed)."""
-    import psycopg
-
-    with psycopg.connect(libpq_url(url)) as conn:
-        if conn.execute("SELECT to_regclass('pgbroker.alembic_version')").fetchone()[0] is None:
-            return ()
-        return tuple(r[0] for r in conn.execute("SELECT version_num FROM pgbroker.alembic_version ORDER BY 1"))
+    """The revisions pgbroker's own alembic environment recorded (empty when not installed through it)."""
+    return installation(url).revisions
 
 
 def run_revision_sql(revision_file: str, direction: str) -> None:
