@@ -11,9 +11,12 @@ lease history are printed.
 With no URL a throwaway PostgreSQL is started in a temporary directory
 (:class:`pgbroker._embedded.EmbeddedPostgres`; as the ``postgres`` OS user
 when run as root) and removed afterwards.  With a URL the demo installs
-pgbroker there if needed and uses the lease name ``pgbroker-demo``.
-Everything it started is stopped on the way out, also on Ctrl-C, SIGTERM or
-an error.
+pgbroker there if needed, uses a lease name of its own
+(``pgbroker-demo-<random>``) and at the end removes everything it wrote under
+that name (the lease, its history, broker state, clients, subscriptions and
+outbox rows) and its row of initech.objects; without initech.objects it says
+that it skips the fan-out step.  Everything it started is stopped on the way
+out, also on Ctrl-C, SIGTERM or an error.
 
 ``python -m pgbroker.demo --holder URL --name NAME`` is broker A: it claims,
 prints ``CLAIMED <epoch> <backend pid>``, and holds the lease until its
@@ -25,17 +28,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
+
+from pgbroker.install import InstallError
 
 __all__ = ["run_demo"]
 
@@ -94,7 +98,43 @@ def _wait_for(predicate: Any, what: str, timeout: float = STEP_TIMEOUT) -> None:
         time.sleep(0.005)
 
 
-def _demo(url: str, name: str) -> None:
+def _on_exit(cleanup: contextlib.ExitStack, action: Callable[[], object], what: str) -> None:
+    """Run ``action`` when the demo ends, whatever happens; a failure is reported, not raised."""
+
+    def run() -> None:
+        try:
+            action()
+        except Exception as exc:
+            print(f"pgbroker demo: cleanup step failed ({what}): {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    cleanup.callback(run)
+
+
+def _remove_demo_rows(conninfo: str, name: str) -> None:
+    """Delete every row pgbroker keeps under the lease name ``name`` (the demo's own, unique name).
+
+    The tables of schema pgbroker with a ``name`` column (lease, history, broker
+    state, clients, interest, outbox; subscriptions go with their clients) are
+    found in the catalog, so the list follows the schema.  The lease row goes last.
+    """
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(conninfo, application_name="pgbroker-demo-cleanup") as conn, conn.transaction():
+        tables = conn.execute(
+            """
+            SELECT c.relname FROM pg_catalog.pg_class c
+              JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attname = 'name' AND NOT a.attisdropped
+             WHERE c.relnamespace = 'pgbroker'::regnamespace AND c.relkind IN ('r', 'p')
+             ORDER BY c.relname = 'lease', c.relname
+            """
+        ).fetchall()
+        for (table,) in tables:
+            conn.execute(sql.SQL("DELETE FROM {} WHERE name = %s").format(sql.Identifier("pgbroker", table)), (name,))
+    _say(f'Removed what the demo wrote under lease "{name}" (lease, history, clients, subscriptions).')
+
+
+def _demo(url: str, name: str, cleanup: contextlib.ExitStack, *, own_server: bool) -> None:
     import psycopg
 
     from pgbroker import install
@@ -102,12 +142,18 @@ def _demo(url: str, name: str) -> None:
     from pgbroker.cli import format_table
     from pgbroker.errors import LeaseHeld, StaleEpoch, translate
 
+    before = install.installed_version(url)
     install.migrate(url)
-    _say(f"  pgbroker installed (revision {', '.join(install.current_revision(url))})")
+    now = install.installed_version(url)
+    if before is None:
+        how = "" if own_server else " (remove it with: pgbroker downgrade --url ...)"
+        _say(f"  installed pgbroker (schema version {now}){how}")
+    else:
+        _say(f"  pgbroker is installed (schema version {now})")
     conninfo = install.libpq_url(url)
+    if not own_server:
+        _on_exit(cleanup, lambda: _remove_demo_rows(conninfo, name), "remove the demo's rows")
     with psycopg.connect(conninfo, autocommit=True, application_name="pgbroker-demo-observer") as admin:
-        before = lease_history(admin, name)
-        last_id = before[-1]["id"] if before else 0
         _say()
 
         # 1. Broker A, in a process of its own.
@@ -117,7 +163,7 @@ def _demo(url: str, name: str) -> None:
             stdout=subprocess.PIPE,
             text=True,
         )
-        _cleanup.append(lambda: _stop_process(holder))
+        _on_exit(cleanup, lambda: _stop_process(holder), "stop broker A")
         line = _read_line(holder, STEP_TIMEOUT)
         if not line.startswith("CLAIMED "):
             raise DemoError(f"broker A said {line!r}")
@@ -137,7 +183,7 @@ def _demo(url: str, name: str) -> None:
 
         # 3. Broker B waits.
         b = Broker(conninfo, name, wait=None, application_name="pgbroker-demo-B")
-        _cleanup.append(b.close)
+        _on_exit(cleanup, b.close, "close broker B")
         claimed: dict[str, Any] = {}
 
         def claim_b() -> None:
@@ -195,13 +241,18 @@ def _demo(url: str, name: str) -> None:
         # 7. Fan-out: the database tells broker B which client must hear of a change.
         if admin.execute("SELECT to_regclass('initech.objects')").fetchone()[0] is not None:
             _fan_out(admin, b)
+        else:
+            _say(
+                "7. Skipped: the fan-out step subscribes a client to a row of initech.objects, and this database "
+                "has no such table (pgbroker was installed without it: --no-initech or -x initech=no)."
+            )
 
         _say()
         _say("pgbroker.brokers:")
         _say(format_table([r for r in list_brokers(admin) if r["name"] == name], BROKERS_COLUMNS, indent="  "))
         _say()
         _say("pgbroker.lease_history (this run):")
-        _say(format_table(lease_history(admin, name, last_id), HISTORY_COLUMNS, indent="  "))
+        _say(format_table(lease_history(admin, name), HISTORY_COLUMNS, indent="  "))
         _say()
         _say(f"Takeover after SIGKILL of the holder: {took_ms:.1f} ms.")
 
@@ -229,10 +280,6 @@ def _fan_out(admin: Any, b: Any) -> None:
     finally:
         if created:
             admin.execute("DELETE FROM initech.objects WHERE id = %s", (row_id,))
-
-
-# Cleanup actions, run last-in first-out whatever happens.
-_cleanup: list[Any] = []
 
 
 def _stop_process(proc: subprocess.Popen[str]) -> None:
@@ -291,49 +338,35 @@ class _Signals:
                 self._raise(signum)
 
 
-def _stop_server(server: Any) -> None:
-    """Stop the throwaway server; if pg_ctl fails, kill the postmaster and remove its directory."""
-    try:
-        server.stop()
-        return
-    except Exception as exc:
-        print(f"pgbroker demo: pg_ctl stop failed ({exc}); killing the server", file=sys.stderr)
-    if server._tmp is None:
-        return
-    tmp = Path(server._tmp)
-    pidfile = tmp / "data" / "postmaster.pid"
-    if pidfile.exists():
-        with contextlib.suppress(ValueError, OSError):
-            pid = int(pidfile.read_text().split()[0])
-            os.kill(pid, signal.SIGQUIT)  # immediate shutdown; its children follow
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                os.kill(pid, 0)  # OSError once it is gone
-                time.sleep(0.05)
-    shutil.rmtree(tmp, ignore_errors=True)
+def run_demo(url: str | None = None, name: str | None = None) -> int:
+    """Run the demo; return the exit code (0: it all worked, 130: interrupted, 143: terminated).
 
-
-def run_demo(url: str | None = None, name: str = LEASE_NAME) -> int:
-    """Run the demo; return the exit code (0: it all worked, 130: interrupted, 143: terminated)."""
+    ``name`` is the lease name: ``pgbroker-demo`` on a throwaway server, a fresh
+    ``pgbroker-demo-<random>`` in a given database (so that no one else's lease is touched).
+    """
     started = time.monotonic()
     code = 1
     with _Signals() as signals:
+        cleanup = contextlib.ExitStack()
         try:
             _say("pgbroker demo: one broker at a time, whatever happens to it.")
+            own_server = url is None
             if url is None:
                 from pgbroker._embedded import EmbeddedPostgres
 
                 server = EmbeddedPostgres()
                 with signals.deferred():
-                    _cleanup.append(lambda: _stop_server(server))
-                    server.start()
+                    server.start()  # removes what it made if it fails
+                    _on_exit(cleanup, server.stop, "stop the throwaway PostgreSQL")
                 url = server.url
+                name = name or LEASE_NAME
                 _say(f"  started a throwaway PostgreSQL at {url} (data in {server.datadir})")
             else:
-                from pgbroker.cli import _describe
+                from pgbroker.install import describe
 
-                _say(f"  using {_describe(url)}")
-            _demo(url, name)
+                name = name or f"{LEASE_NAME}-{secrets.token_hex(4)}"
+                _say(f"  using {describe(url)}, lease name {name!r}")
+            _demo(url, name, cleanup, own_server=own_server)
             code = 0
         except KeyboardInterrupt:
             print("pgbroker demo: interrupted; cleaning up", file=sys.stderr)
@@ -343,16 +376,13 @@ def run_demo(url: str | None = None, name: str = LEASE_NAME) -> int:
             code = exc.code if isinstance(exc.code, int) else 1
         except DemoError as exc:
             print(f"pgbroker demo failed: {exc}", file=sys.stderr)
+        except InstallError as exc:  # bad URL, unreachable server, missing database
+            print(f"pgbroker demo failed: {exc}", file=sys.stderr)
         except Exception as exc:
             print(f"pgbroker demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         finally:
             with signals.deferred(then_raise=False):  # we are on our way out anyway
-                while _cleanup:
-                    action = _cleanup.pop()
-                    try:
-                        action()
-                    except Exception as exc:
-                        print(f"pgbroker demo: cleanup step failed: {exc}", file=sys.stderr)
+                cleanup.close()
     if code == 0:
         _say(f"Done in {time.monotonic() - started:.1f} s; everything the demo started is stopped.")
     return code
@@ -372,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pgbroker.demo")
     parser.add_argument("--url", help="run against this database (default: a throwaway PostgreSQL)")
     parser.add_argument("--holder", metavar="URL", help="internal: be broker A against URL")
-    parser.add_argument("--name", default=LEASE_NAME, help=f"lease name (default: {LEASE_NAME})")
+    parser.add_argument("--name", help=f"lease name (default: {LEASE_NAME}, or {LEASE_NAME}-<random> with --url)")
     args = parser.parse_args(argv)
     if args.holder:
         return _holder(args.holder, args.name)

@@ -1,21 +1,30 @@
 """Fixtures: one throwaway PostgreSQL per test session, a migrated template
 database, and a fresh clone of it per test.
 
-The server is started by :mod:`pgbroker._embedded` (pytest-postgresql's
-executor; as an unprivileged OS user when we run as root).
+The session server is started by pytest-postgresql's ``PostgreSQLExecutor``
+(a test dependency), through :func:`pgbroker._embedded.pg_ctl_command`, which
+runs ``pg_ctl`` as an unprivileged OS user when we run as root.  It has the
+interface of :class:`pgbroker._embedded.EmbeddedPostgres` (the demo's
+standard-library server, which some tests also start for a cluster of their
+own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
+from pytest_postgresql.executors import PostgreSQLExecutor
 
 from pgbroker import install
-from pgbroker._embedded import EmbeddedPostgres
+from pgbroker._embedded import SERVER_OPTIONS, SUPERUSER, TIMEOUT, EmbeddedPostgres, pg_ctl_command
 
 TEMPLATE = "pgbroker_tmpl"
 _counter = itertools.count()
@@ -29,14 +38,52 @@ TEST_ROLES = {
 }
 
 
+class ExecutorPostgres(EmbeddedPostgres):
+    """:class:`EmbeddedPostgres`'s interface (url, url_for, port, host, datadir, logfile,
+    restart, stop), with the server run by pytest-postgresql's executor."""
+
+    executor: PostgreSQLExecutor | None = None
+
+    def start(self) -> ExecutorPostgres:
+        with contextlib.ExitStack() as undo:
+            self.directory = Path(tempfile.mkdtemp(prefix="pgbroker-test-pg-"))
+            undo.callback(shutil.rmtree, self.directory, ignore_errors=True)
+            undo.callback(self._kill_postmaster)  # runs first: a half-started server is stopped
+            self.executor = PostgreSQLExecutor(
+                executable=pg_ctl_command(self.directory, self.os_user),
+                host=self.host,
+                port=self.port,
+                datadir=str(self.datadir),
+                unixsocketdir=str(self.directory),
+                logfile=str(self.logfile),
+                startparams="-w",
+                dbname="postgres",
+                user=SUPERUSER,
+                postgres_options=f"{SERVER_OPTIONS} {self.postgres_options}".strip(),
+                timeout=TIMEOUT,
+            )
+            self.executor.start()
+            undo.pop_all()
+        return self
+
+    def restart(self) -> None:
+        assert self.executor is not None
+        self.executor.stop()
+        self.executor.start()
+
+    def stop(self) -> None:
+        try:
+            if self.executor is not None:
+                self.executor.stop()
+        finally:
+            self.executor = None
+            self._forget()
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[EmbeddedPostgres]:
-    server = EmbeddedPostgres(postgres_options=os.environ.get("PGBROKER_TEST_PG_OPTIONS", ""))
-    server.start()
-    try:
+    with ExecutorPostgres(postgres_options=os.environ.get("PGBROKER_TEST_PG_OPTIONS", "")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def admin_execute(server: EmbeddedPostgres, *statements: str) -> None:
