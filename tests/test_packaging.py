@@ -4,6 +4,7 @@ from a virtual environment without the source tree."""
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 import zipfile
@@ -53,13 +54,39 @@ def wheel(tmp_path_factory) -> Path:
     return wheels[0]
 
 
+def _site_packages() -> list[str]:
+    """The running interpreter's site-packages directories (a virtual environment's, when we run in one)."""
+    dirs = [*site.getsitepackages(), site.getusersitepackages()] if site.ENABLE_USER_SITE else site.getsitepackages()
+    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory, wheel) -> Path:
-    """A fresh virtualenv with the wheel installed (dependencies from the system site-packages)."""
+    """A fresh virtual environment with the wheel installed, offline.
+
+    Its dependencies (alembic, SQLAlchemy, psycopg) come from the running
+    interpreter's site-packages, listed in a .pth file of the new environment:
+    ``--system-site-packages`` would give the *base* interpreter's packages,
+    which lack them when the tests run inside a virtual environment.  Lines of
+    a .pth file only extend ``sys.path`` (the listed directories' own .pth files,
+    such as the editable install's, are not processed), and they come after the
+    environment's own site-packages, so ``import pgbroker`` finds the wheel's copy
+    (the tests assert it).
+    """
     root = tmp_path_factory.mktemp("venv") / "v"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(root)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=300)
+    python = str(root / "bin" / "python")
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
+    assert Path(purelib).is_relative_to(root), purelib
+    (Path(purelib) / "_pgbroker_test_deps.pth").write_text("".join(f"{d}\n" for d in _site_packages()))
     pip = subprocess.run(
-        [str(root / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -90,9 +117,13 @@ def _venv_run(venv: Path, *args: str, tmp_path: Path) -> subprocess.CompletedPro
 @pytest.mark.slow
 def test_wheel_migrate_from_venv(venv, empty_db, tmp_path):
     python = str(venv / "bin" / "python")
-    where = _venv_run(venv, python, "-c", "import pgbroker.install as i; print(i.migrations_path())", tmp_path=tmp_path)
+    code = "import pgbroker, pgbroker.install as i; print(pgbroker.__file__); print(i.migrations_path())"
+    where = _venv_run(venv, python, "-c", code, tmp_path=tmp_path)
     assert where.returncode == 0, where.stderr
-    assert Path(where.stdout.strip()).is_relative_to(venv), f"not the installed copy: {where.stdout}"
+    module, migrations = (Path(line) for line in where.stdout.split())
+    assert module.is_relative_to(venv), f"not the wheel's pgbroker: {module}"
+    assert not module.is_relative_to(REPO) and not migrations.is_relative_to(REPO)
+    assert migrations.is_relative_to(venv), f"not the installed copy: {migrations}"
     done = _venv_run(venv, python, "-c", f"import pgbroker; pgbroker.migrate({empty_db!r})", tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
     assert install.current_revision(empty_db) == (script_directory().get_current_head(),)
@@ -105,7 +136,10 @@ def test_wheel_migrate_from_venv(venv, empty_db, tmp_path):
 def test_wheel_cli_migrate(venv, wheel, empty_db, tmp_path):
     if "pgbroker/cli.py" not in zipfile.ZipFile(wheel).namelist():
         pytest.skip("pgbroker.cli is not written yet")
-    done = _venv_run(venv, str(venv / "bin" / "pgbroker"), "migrate", "--url", empty_db, tmp_path=tmp_path)
+    script = venv / "bin" / "pgbroker"
+    assert str(venv / "bin" / "python") in script.read_text(), "the console script runs the environment's python"
+    done = _venv_run(venv, str(script), "migrate", "--url", empty_db, tmp_path=tmp_path)
     assert done.returncode == 0, f"pgbroker migrate failed:\n{done.stdout}\n{done.stderr}"
+    assert f"schema version {install.SCHEMA_VERSION}" in done.stdout
     assert install.current_revision(empty_db) == (script_directory().get_current_head(),)
     assert _scalar(empty_db, "SELECT pgbroker.broker_claim('cli')") == 1
