@@ -1,13 +1,29 @@
 -- pgbroker: the schema, its roles and the database's search_path.
 --
 -- Files in sql/ are loaded in name order and together hold the current
--- definition of every pgbroker object.  Alembic revisions in migrations/ are
--- frozen copies of what each release ran; a test proves both give the same
--- catalog.
+-- definition of every pgbroker object, each defined once, one area per file:
+--   000 schema, roles, version     100 the lease        200 clients
+--   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
+--   600 triggers, watch()          700 views            900 privileges
+--   950 initech.objects (the optional reference table)
+-- migrations/ holds alembic revisions generated from these files
+-- (migrations/build_baseline.py); a test proves both give the same catalog.
 
 CREATE SCHEMA IF NOT EXISTS pgbroker;
 COMMENT ON SCHEMA pgbroker IS
     'pgbroker: singleton broker leases, broker state and change fan-out, in PL/pgSQL. See README.md.';
+
+-- The version of the installed schema: the alembic revision that built it.
+-- It lets pgbroker (and you) recognise the schema whichever alembic
+-- environment installed it, as extensions know theirs.  Every revision that
+-- changes the schema replaces this function.
+CREATE FUNCTION pgbroker.schema_version()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'pgbroker_0001_baseline'::text $$;
+COMMENT ON FUNCTION pgbroker.schema_version() IS
+    'The alembic revision id of the installed pgbroker schema (for example pgbroker_0001_baseline). Anyone may call it.';
 
 -- Roles are cluster-wide.  Create the three pgbroker roles when they are
 -- missing and remember which ones this installation created, so that a

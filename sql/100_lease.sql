@@ -234,9 +234,10 @@ BEGIN
                 p_name, v_pid, coalesce(v_lease.holder_application, ''),
                 coalesce(host(v_lease.holder_address), 'local'), v_lease.epoch, v_lease.claimed_at
             USING ERRCODE = 'lock_not_available',
-                  DETAIL = format('holder_pid=%s holder_application=%s holder_address=%s holder_info=%s epoch=%s claimed_at=%s heartbeat_at=%s',
-                                  v_pid, v_lease.holder_application, v_lease.holder_address,
-                                  v_lease.holder_info, v_lease.epoch, v_lease.claimed_at, v_lease.heartbeat_at),
+                  DETAIL = jsonb_build_object('name', p_name, 'pid', v_pid, 'application', v_lease.holder_application,
+                                              'address', host(v_lease.holder_address), 'user', v_lease.holder_user,
+                                              'info', v_lease.holder_info, 'epoch', v_lease.epoch,
+                                              'since', v_lease.claimed_at, 'heartbeat_at', v_lease.heartbeat_at)::text,
                   HINT = 'Wait for it (wait => interval, or NULL to wait until the holder''s session ends), '
                          'take over a hung holder (stale_after => interval), or terminate it (takeover => true, pgbroker_admin only).';
     ELSE
@@ -245,14 +246,14 @@ BEGIN
         RAISE EXCEPTION 'lease "%" is locked by pid %, which is not its recorded holder (a claim committing now, or a stray lock)',
                 p_name, v_pid
             USING ERRCODE = 'lock_not_available',
-                  DETAIL = format('lock_pid=%s recorded holder_pid=%s state=%s epoch=%s',
-                                  v_pid, v_lease.holder_pid, v_lease.state, v_lease.epoch),
+                  DETAIL = jsonb_build_object('name', p_name, 'pid', v_pid, 'recorded_pid', v_lease.holder_pid,
+                                              'state', v_lease.state, 'epoch', v_lease.epoch)::text,
                   HINT = 'Retry, or end that session (takeover => true).';
     END IF;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._raise_held(text) IS
-    'Internal: raise 55P03 lock_not_available naming the session that holds lease p_name.';
+    'Internal: raise 55P03 lock_not_available naming the session that holds lease p_name (DETAIL: a JSON object).';
 
 -- Convert a wait interval into a lock_timeout value in milliseconds ('0' = forever).
 CREATE FUNCTION pgbroker._wait_ms(p_wait interval)
@@ -381,18 +382,28 @@ COMMENT ON FUNCTION pgbroker._lease_sweep() IS
     'Internal: release session-level pgbroker locks of this backend that no lease row accounts for (stray locks).';
 
 -- ---------------------------------------------------------------------------
--- Clearing the state of earlier epochs.  Later areas add their tables here.
-CREATE FUNCTION pgbroker._lease_clear_state(p_name text, p_epoch bigint)
-RETURNS void
+-- A new epoch wipes what earlier epochs left.  Every area that keeps state
+-- per epoch (broker state here; clients, interest and the outbox in later
+-- files) adds its own AFTER UPDATE OF epoch trigger on pgbroker.lease, named
+-- _NNN_clear_<what>, so that each area owns the clean-up of its tables.
+CREATE FUNCTION pgbroker._lease_clear_state()
+RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    DELETE FROM pgbroker.state WHERE name = p_name AND epoch < p_epoch;
+    DELETE FROM pgbroker.state WHERE name = NEW.name AND epoch < NEW.epoch;
+    RETURN NULL;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._lease_clear_state(text, bigint) IS
-    'Internal: delete the broker state of lease p_name left by epochs before p_epoch.';
+COMMENT ON FUNCTION pgbroker._lease_clear_state() IS
+    'Internal (trigger): delete the broker state a lease''s earlier epochs left.';
+
+CREATE TRIGGER _100_clear_state
+AFTER UPDATE OF epoch ON pgbroker.lease
+FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
+EXECUTE FUNCTION pgbroker._lease_clear_state();
+COMMENT ON TRIGGER _100_clear_state ON pgbroker.lease IS 'A new epoch deletes the broker state of earlier ones.';
 
 -- ---------------------------------------------------------------------------
 -- Terminating a holder.
@@ -417,8 +428,8 @@ $$;
 COMMENT ON FUNCTION pgbroker._lease_terminate(text, integer) IS
     'Internal: send SIGTERM to backend p_pid (the claim then waits for its lock).';
 
--- Privileged takeover: terminate whoever holds the lock.  EXECUTE is granted
--- to pgbroker_admin only; that grant is the privilege check.
+-- Privileged takeover: terminate whoever holds the lock.  Only broker_claim()
+-- calls it, after checking that the caller is a pgbroker_admin.
 CREATE FUNCTION pgbroker._lease_takeover(p_name text)
 RETURNS integer
 LANGUAGE plpgsql
@@ -436,7 +447,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_takeover(text) IS
-    'Internal (pgbroker_admin): terminate the backend holding lease p_name; returns its pid.';
+    'Internal: terminate the backend holding lease p_name; returns its pid.';
 
 -- Stale takeover: terminate the recorded holder only if it still holds the
 -- lock and its last heartbeat is older than p_stale_after.
@@ -613,7 +624,6 @@ BEGIN
             nullif(v_prev.epoch, 0), v_prev.holder_pid, v_prev.holder_application, v_prev.holder_address,
             v_prev.heartbeat_at, v_reason);
 
-    PERFORM pgbroker._lease_clear_state(p_name, v_lease.epoch);
     RETURN v_lease.epoch;
 END
 $$;
@@ -631,6 +641,7 @@ CREATE FUNCTION pgbroker.broker_claim(
     info text DEFAULT NULL)
 RETURNS bigint
 LANGUAGE plpgsql
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -645,13 +656,15 @@ BEGIN
         RAISE EXCEPTION 'stale_after must be positive: %', broker_claim.stale_after
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF broker_claim.takeover AND NOT has_function_privilege('pgbroker._lease_takeover(text)', 'EXECUTE') THEN
-        RAISE EXCEPTION 'permission denied to take over lease "%": role % is not a member of pgbroker_admin', v_name, current_user
+    -- SECURITY DEFINER hides the caller's current_user; session_user is the
+    -- login role, whose rights bound what the session can do (it can always
+    -- RESET ROLE back to it).
+    IF broker_claim.takeover AND NOT pg_has_role(session_user, 'pgbroker_admin', 'MEMBER') THEN
+        RAISE EXCEPTION 'permission denied to take over lease "%": role % is not a member of pgbroker_admin', v_name, session_user
             USING ERRCODE = 'insufficient_privilege',
                   HINT = 'Use stale_after => interval to take over a holder whose heartbeat stopped, or ask an administrator.';
     END IF;
     IF broker_claim.takeover THEN
-        -- Runs with the caller's rights: EXECUTE on it is pgbroker_admin's alone.
         v_terminated := pgbroker._lease_takeover(v_name);
     END IF;
     RETURN pgbroker._lease_claim(v_name, broker_claim.wait, v_terminated,
@@ -661,7 +674,7 @@ $$;
 COMMENT ON FUNCTION pgbroker.broker_claim(text, interval, boolean, interval, text) IS
 $$Claim the broker lease NAME for this session and return its new epoch (the fencing token).
 wait: '0' fails at once with 55P03 if another session holds it; an interval blocks up to that long; NULL blocks until the holder's session ends.
-takeover => true (pgbroker_admin only, else 42501): terminate the holder, then claim.
+takeover => true (the login role must be a member of pgbroker_admin, else 42501): terminate the holder, then claim.
 stale_after: terminate a holder whose last broker_heartbeat() is older than this (checked again while waiting), then claim.
 info: free text recorded with the holder (for example the hostname).
 Also deletes the broker state of earlier epochs. Returns the current epoch when this session already holds the lease.
@@ -766,6 +779,19 @@ COMMENT ON FUNCTION pgbroker.broker_assert(text, bigint) IS
 $$Fencing check for use inside any transaction: raises PB002 unless EPOCH is the current epoch of lease NAME and its holder's session is alive and holds the lock.
 Holds a key-share lock on the lease row until the transaction ends, so a concurrent claim cannot commit a newer epoch before this transaction does.$$;
 
+CREATE FUNCTION pgbroker.broker_alive(name text DEFAULT 'default')
+RETURNS boolean
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce((SELECT l.state = 'held' AND pgbroker._lease_alive(l.holder_pid, l.holder_backend_start, l.lock_key)
+                       FROM pgbroker.lease l WHERE l.name = broker_alive.name), false)
+$$;
+COMMENT ON FUNCTION pgbroker.broker_alive(text) IS
+$$True when lease NAME is held and its holder's session exists and holds the lock; false otherwise (also for an unknown name).
+Any pgbroker role may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;
+
 -- ---------------------------------------------------------------------------
 -- Broker state API.
 
@@ -827,77 +853,6 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_state_delete(text, text) IS
     'Holder only (PB001 otherwise): delete KEY from the state of lease NAME; false when it was not set.';
-
--- ---------------------------------------------------------------------------
--- Views for operators and frontends.
-
-CREATE VIEW pgbroker.brokers AS
-SELECT l.name,
-       l.epoch,
-       l.state,
-       l.holder_pid,
-       l.holder_application,
-       l.holder_address,
-       l.holder_user,
-       l.holder_info,
-       l.claimed_at,
-       l.heartbeat_at,
-       pg_catalog.clock_timestamp() - l.heartbeat_at AS heartbeat_age,
-       l.released_at,
-       (l.state = 'held' AND pgbroker._lease_alive(l.holder_pid, l.holder_backend_start, l.lock_key)) AS alive,
-       (SELECT count(*) FROM pg_catalog.pg_locks w
-         WHERE w.locktype = 'advisory' AND NOT w.granted
-           AND w.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
-           AND w.classid = pgbroker._lock_class()::oid AND w.objid = l.lock_key::oid AND w.objsubid = 2)::integer AS waiting
-  FROM pgbroker.lease l;
-COMMENT ON VIEW pgbroker.brokers IS 'One row per lease name: its epoch, holder and whether the holder is alive.';
-COMMENT ON COLUMN pgbroker.brokers.name IS 'Lease name.';
-COMMENT ON COLUMN pgbroker.brokers.epoch IS 'Current epoch (fencing token); 0 before the first claim.';
-COMMENT ON COLUMN pgbroker.brokers.state IS 'new, held or released.';
-COMMENT ON COLUMN pgbroker.brokers.holder_pid IS 'Backend pid of the holder (of the last holder when not alive).';
-COMMENT ON COLUMN pgbroker.brokers.holder_application IS 'application_name of the holder at claim time.';
-COMMENT ON COLUMN pgbroker.brokers.holder_address IS 'Client address of the holder; NULL over a Unix socket.';
-COMMENT ON COLUMN pgbroker.brokers.holder_user IS 'Database user of the holder.';
-COMMENT ON COLUMN pgbroker.brokers.holder_info IS 'Free text the holder gave when claiming (info =>).';
-COMMENT ON COLUMN pgbroker.brokers.claimed_at IS 'When the current epoch was claimed.';
-COMMENT ON COLUMN pgbroker.brokers.heartbeat_at IS 'Last heartbeat of the holder.';
-COMMENT ON COLUMN pgbroker.brokers.heartbeat_age IS 'How long ago that was.';
-COMMENT ON COLUMN pgbroker.brokers.released_at IS 'When the holder released the lease, if it did.';
-COMMENT ON COLUMN pgbroker.brokers.alive IS 'True when the recorded holder''s backend exists and holds the lock.';
-COMMENT ON COLUMN pgbroker.brokers.waiting IS 'Number of sessions blocked in broker_claim() for this lease.';
-
-CREATE VIEW pgbroker.lease_history AS
-SELECT id, name, epoch, event, at, pid, db_user, application, address, info,
-       previous_epoch, previous_pid, previous_application, previous_address, previous_heartbeat_at, reason
-  FROM pgbroker.lease_event;
-COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover and release, oldest first by id: who took the lease from whom, when and why.';
-COMMENT ON COLUMN pgbroker.lease_history.id IS 'Increasing event number.';
-COMMENT ON COLUMN pgbroker.lease_history.name IS 'Lease name.';
-COMMENT ON COLUMN pgbroker.lease_history.epoch IS 'Epoch claimed or released.';
-COMMENT ON COLUMN pgbroker.lease_history.event IS 'claim, takeover, stale_takeover or release.';
-COMMENT ON COLUMN pgbroker.lease_history.at IS 'When it happened (clock time inside the claiming transaction).';
-COMMENT ON COLUMN pgbroker.lease_history.pid IS 'Backend pid of the session that acted.';
-COMMENT ON COLUMN pgbroker.lease_history.db_user IS 'Database user (session_user) that acted.';
-COMMENT ON COLUMN pgbroker.lease_history.application IS 'Its application_name.';
-COMMENT ON COLUMN pgbroker.lease_history.address IS 'Its client address.';
-COMMENT ON COLUMN pgbroker.lease_history.info IS 'The info text given to broker_claim().';
-COMMENT ON COLUMN pgbroker.lease_history.previous_epoch IS 'For a claim: the epoch it replaced.';
-COMMENT ON COLUMN pgbroker.lease_history.previous_pid IS 'For a claim: the previous holder''s pid.';
-COMMENT ON COLUMN pgbroker.lease_history.previous_application IS 'For a claim: the previous holder''s application_name.';
-COMMENT ON COLUMN pgbroker.lease_history.previous_address IS 'For a claim: the previous holder''s address.';
-COMMENT ON COLUMN pgbroker.lease_history.previous_heartbeat_at IS 'For a claim: the previous holder''s last heartbeat.';
-COMMENT ON COLUMN pgbroker.lease_history.reason IS 'Why, in words.';
-
-CREATE VIEW pgbroker.broker_state AS
-SELECT s.name, s.epoch, s.key, s.value, s.updated_at
-  FROM pgbroker.state s
-  JOIN pgbroker.lease l ON l.name = s.name AND l.epoch = s.epoch;
-COMMENT ON VIEW pgbroker.broker_state IS 'Key/value state published by the current broker of each lease.';
-COMMENT ON COLUMN pgbroker.broker_state.name IS 'Lease name.';
-COMMENT ON COLUMN pgbroker.broker_state.epoch IS 'Epoch of the broker that wrote it.';
-COMMENT ON COLUMN pgbroker.broker_state.key IS 'Key.';
-COMMENT ON COLUMN pgbroker.broker_state.value IS 'Value.';
-COMMENT ON COLUMN pgbroker.broker_state.updated_at IS 'When it was last set.';
 
 CREATE FUNCTION pgbroker.lease_history_prune(older_than interval DEFAULT '30 days')
 RETURNS bigint

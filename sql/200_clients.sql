@@ -5,7 +5,7 @@
 -- a change.  Only the current holder of the lease may change its clients:
 -- either from its own session, or from any session that passes the holder's
 -- current epoch (checked like broker_assert()).  A new claim wipes the clients
--- of earlier epochs (pgbroker._lease_clear_state).
+-- of earlier epochs (trigger _200_clear_clients, below).
 
 CREATE TABLE pgbroker.client (
     client_key bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -133,10 +133,30 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    PERFORM pgbroker._interest_remove(v_key, NULL, NULL);
-    DELETE FROM pgbroker.client WHERE client_key = v_key;
+    DELETE FROM pgbroker.client WHERE client_key = v_key;   -- subscriptions go with it (400_subscriptions.sql)
     RETURN true;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_unregister(text, text, bigint) IS
     'Broker only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';
+
+-- A new epoch deletes the clients earlier epochs registered (and with them
+-- their subscriptions, by the foreign key).
+CREATE FUNCTION pgbroker._clients_clear()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    DELETE FROM pgbroker.client WHERE name = NEW.name AND epoch < NEW.epoch;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._clients_clear() IS
+    'Internal (trigger): delete the clients a lease''s earlier epochs registered.';
+
+CREATE TRIGGER _200_clear_clients
+AFTER UPDATE OF epoch ON pgbroker.lease
+FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
+EXECUTE FUNCTION pgbroker._clients_clear();
+COMMENT ON TRIGGER _200_clear_clients ON pgbroker.lease IS 'A new epoch deletes the clients of earlier ones.';

@@ -1,5 +1,6 @@
--- Undo 0003_initech: stop watching initech.objects; drop it (and the schema)
--- only if this installation created them.
+-- Generated from sql/ by migrations/build_baseline.py: do not edit.
+-- Undo pgbroker_0002_initech: stop watching initech.objects; drop it (and
+-- the schema) only if this installation created them.
 SELECT pgbroker.unwatch(to_regclass('initech.objects')) WHERE to_regclass('initech.objects') IS NOT NULL;
 DO $initech$
 BEGIN

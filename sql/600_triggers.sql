@@ -1,38 +1,18 @@
--- pgbroker 0006: cheaper bulk statements on watched tables.
+-- pgbroker: the triggers on watched tables, and watch() / unwatch().
 --
--- * No JIT compilation in trigger statements that can be large.  The planner
---   estimates a join of two transition tables at rows(OLD) x rows(NEW) x
---   0.005, so from about 15,000 rows a bulk statement passed jit_above_cost
---   and was compiled, which cost more than it saved (100,000-row UPDATE, 1%
---   subscribed: 230 ms, 40% more).  The generated trigger functions now turn
---   JIT off for their bulk statements (more than 64 rows), for the statement
---   that merges whole-table subscribers, and on TRUNCATE, and put the
---   caller's setting back right after.
--- * A bulk statement on a table whose interest belongs to one broker (two
---   index probes on the new interest_watch_name index say so) writes its
---   outbox rows without RETURNING and DISTINCT; with no interest at all it
---   writes nothing.
--- * A bulk statement on a table with a one-column key whose JSON form is its
---   text (integers, text, uuid, boolean, enums) matches interest rows by that
---   text (the new generated column interest.key_text and its index) instead
---   of building a jsonb key per row.
--- * Bulk statements of up to 1,024 rows probe interest row by row (a
---   LATERAL subquery), and larger ones are planned at each run (EXECUTE):
---   PL/pgSQL kept the first bulk statement's plan for the session, so one
---   huge statement left a hash over every interest row of the table to all
---   later bulk statements.
---
--- CREATE OR REPLACE keeps the function's owner, grants and comment.
+-- pgbroker.watch(table) installs three statement-level triggers with
+-- transition tables (INSERT, UPDATE, DELETE) and a TRUNCATE trigger on a table
+-- with a primary key.  For each changed row they look the row's key up in
+-- pgbroker.interest (400_subscriptions.sql) and write one outbox row per
+-- change and broker (500_outbox.sql), carrying the list of target clients.
+-- After the statement they wake the affected brokers with pg_notify, unless
+-- the broker is awake and draining.  The trigger functions are generated per
+-- table by _watch_install(), from the template below.
 
--- The new column rewrites pgbroker.interest (under an ACCESS EXCLUSIVE lock).
-ALTER TABLE pgbroker.interest
-    ADD COLUMN key_text text COLLATE "C"
-        GENERATED ALWAYS AS (CASE WHEN jsonb_typeof(row_key) IN ('number', 'string', 'boolean') THEN row_key #>> '{}' END) STORED;
-COMMENT ON COLUMN pgbroker.interest.key_text IS 'The text of a one-column key (row_key #>> ''{}''), byte-compared by bulk statements.';
-CREATE INDEX interest_watch_name ON pgbroker.interest (watch_id, name);
-CREATE INDEX interest_key_text ON pgbroker.interest (watch_id, key_text);
+-- ---------------------------------------------------------------------------
+-- Watching a table.
 
-CREATE OR REPLACE FUNCTION pgbroker._watch_install(p_watch pgbroker.watched)
+CREATE FUNCTION pgbroker._watch_install(p_watch pgbroker.watched)
 RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -352,6 +332,103 @@ $b$, v_id) || v_tail;
                    'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc() FROM PUBLIC', v_id);
 END
 $$;
+COMMENT ON FUNCTION pgbroker._watch_install(pgbroker.watched) IS
+    'Internal: (re)generate the trigger functions of a watched table and (re)create its triggers.';
 
--- Regenerate the trigger functions of every watched table.
-SELECT pgbroker._watch_install(w) FROM pgbroker.watched w ORDER BY w.watch_id;
+CREATE FUNCTION pgbroker._watch_drop_triggers(p_watch pgbroker.watched)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_trigger text;
+BEGIN
+    IF to_regclass(p_watch.relid::regclass::text) IS NULL THEN
+        RETURN;
+    END IF;
+    -- Only those that exist: DROP TRIGGER IF EXISTS would send a NOTICE for each missing one.
+    FOR v_trigger IN SELECT t.tgname FROM pg_catalog.pg_trigger t
+                      WHERE t.tgrelid = p_watch.relid
+                        AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')
+                      ORDER BY t.tgname LOOP
+        EXECUTE format('DROP TRIGGER %I ON %s', v_trigger, p_watch.relid::regclass);
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_drop_triggers(pgbroker.watched) IS 'Internal: drop the pgbroker triggers of a watched table.';
+
+CREATE FUNCTION pgbroker.watch("table" regclass)
+RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_rel pg_catalog.pg_class;
+    v_cols text[];
+    v_types regtype[];
+    v_watch pgbroker.watched;
+BEGIN
+    IF watch."table" IS NULL THEN
+        RAISE EXCEPTION 'table must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT * INTO v_rel FROM pg_catalog.pg_class WHERE oid = watch."table";
+    IF v_rel.relkind <> 'r' THEN
+        RAISE EXCEPTION '% is not a table (relkind %)', watch."table", v_rel.relkind
+            USING ERRCODE = 'wrong_object_type', HINT = 'Only ordinary tables with a primary key can be watched.';
+    END IF;
+    IF v_rel.relnamespace = 'pgbroker'::regnamespace THEN
+        RAISE EXCEPTION 'pgbroker''s own table % cannot be watched', watch."table" USING ERRCODE = 'wrong_object_type';
+    END IF;
+    SELECT array_agg(a.attname::text ORDER BY k.n), array_agg(a.atttypid::regtype ORDER BY k.n)
+      INTO v_cols, v_types
+      FROM pg_catalog.pg_index x
+      CROSS JOIN LATERAL unnest(x.indkey) WITH ORDINALITY AS k(attnum, n)
+      JOIN pg_catalog.pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum
+     WHERE x.indrelid = watch."table" AND x.indisprimary;
+    IF v_cols IS NULL THEN
+        RAISE EXCEPTION 'table % has no primary key', watch."table"
+            USING ERRCODE = 'PB020', HINT = 'pgbroker identifies changed rows by their primary key: add one.';
+    END IF;
+    INSERT INTO pgbroker.watched AS w (relid, table_name, key_columns, key_types)
+    VALUES (watch."table", watch."table"::text, v_cols, v_types)
+    ON CONFLICT ON CONSTRAINT watched_relid_unique
+    DO UPDATE SET table_name = excluded.table_name, watched_at = clock_timestamp()
+    RETURNING * INTO v_watch;
+    IF v_watch.key_columns IS DISTINCT FROM v_cols OR v_watch.key_types IS DISTINCT FROM v_types THEN
+        RAISE EXCEPTION 'the primary key of % changed since it was watched', watch."table"
+            USING ERRCODE = 'PB020', HINT = 'Subscriptions use the old key: unwatch() it, then watch() it again.';
+    END IF;
+    PERFORM pgbroker._watch_install(v_watch);
+    RETURN v_watch.watch_id;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.watch(regclass) IS
+$$Admin: watch TABLE (an ordinary table with a primary key; 42809 for a view or other relation, PB020 without a key).
+Installs statement-level triggers (INSERT, UPDATE, DELETE with transition tables; TRUNCATE) that write the subscribed
+clients of each changed row to the outbox and wake their brokers. Idempotent: call it again after ALTER TABLE adds or
+removes columns. Returns the watch id.$$;
+
+CREATE FUNCTION pgbroker.unwatch("table" regclass)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_watch pgbroker.watched;
+BEGIN
+    SELECT * INTO v_watch FROM pgbroker.watched WHERE relid = unwatch."table";
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM pgbroker._watch_drop_triggers(v_watch);
+    EXECUTE format('DROP FUNCTION pgbroker._watch_%1$s_ins(), pgbroker._watch_%1$s_upd(), '
+                   'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc()', v_watch.watch_id);
+    DELETE FROM pgbroker.outbox WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.watched WHERE watch_id = v_watch.watch_id;   -- cascades to subscriptions and interest
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.unwatch(regclass) IS
+    'Admin: remove the pgbroker triggers from TABLE, with its subscriptions and pending notifications; false when it was not watched.';

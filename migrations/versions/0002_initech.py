@@ -1,20 +1,18 @@
-"""pgbroker: the reference table initech.objects, watched.
+"""pgbroker: the reference table initech.objects, watched (skipped with -x initech=no).
 
-Revision ID: 0003_initech
-Revises: 0002_fanout
-Create Date: 2026-11-29
+Revision ID: pgbroker_0002_initech
+Revises: pgbroker_0001_baseline
 
-Released revisions never change.  The SQL this revision runs lives beside it
-(0003_initech.sql and 0003_initech.downgrade.sql), frozen at release time; sql/ holds the
-current definition of every object.
+Generated from sql/ by migrations/build_baseline.py; the SQL it runs lives
+beside it (0002_initech.sql, 0002_initech.downgrade.sql).  Once released, it never changes.
 """
 
 from alembic import context
 
 from pgbroker.install import run_revision_sql
 
-revision = "0003_initech"
-down_revision = "0002_fanout"
+revision = 'pgbroker_0002_initech'
+down_revision = 'pgbroker_0001_baseline'
 branch_labels = None
 depends_on = None
 

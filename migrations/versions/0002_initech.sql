@@ -1,3 +1,5 @@
+-- Generated from sql/ by migrations/build_baseline.py: do not edit.
+
 -- pgbroker: the reference application table, initech.objects, watched.
 --
 -- Optional: install the core without it with `alembic -x initech=no upgrade head`

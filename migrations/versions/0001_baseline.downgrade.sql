@@ -1,0 +1,109 @@
+-- Generated from sql/ by migrations/build_baseline.py: do not edit.
+-- Remove everything pgbroker_0001_baseline created, and nothing else.
+SELECT pgbroker.unwatch(relid::regclass) FROM pgbroker.watched WHERE to_regclass(relid::regclass::text) IS NOT NULL;
+DELETE FROM pgbroker.watched;
+SELECT pgbroker._set_database_search_path(false);
+
+DROP VIEW pgbroker.clients;
+DROP VIEW pgbroker.outbox_pending;
+DROP VIEW pgbroker.subscriptions;
+DROP VIEW pgbroker.watched_tables;
+DROP VIEW pgbroker.broker_state;
+DROP VIEW pgbroker.lease_history;
+DROP VIEW pgbroker.brokers;
+DROP FUNCTION pgbroker.unwatch(regclass);
+DROP FUNCTION pgbroker.watch(regclass);
+DROP FUNCTION pgbroker._watch_drop_triggers(pgbroker.watched);
+DROP FUNCTION pgbroker._watch_install(pgbroker.watched);
+DROP TRIGGER _500_clear_outbox ON pgbroker.lease;
+DROP FUNCTION pgbroker._outbox_clear();
+DROP FUNCTION pgbroker.outbox_ack(text, bigint[]);
+DROP FUNCTION pgbroker.outbox_fetch(text, integer, bigint[]);
+DROP FUNCTION pgbroker._outbox_floor(text, bigint, boolean);
+DROP FUNCTION pgbroker.broker_sleep(text, interval);
+DROP FUNCTION pgbroker.broker_wake(text);
+DROP FUNCTION pgbroker._awake_held(integer);
+DROP FUNCTION pgbroker.wakeup_channel(text);
+DROP FUNCTION pgbroker._lock_class_awake();
+DROP FUNCTION pgbroker._lock_class_drain();
+DROP TABLE pgbroker.outbox;
+DROP TRIGGER _400_clear_interest ON pgbroker.lease;
+DROP FUNCTION pgbroker._interest_clear();
+DROP TRIGGER _400_drop_interest ON pgbroker.client;
+DROP FUNCTION pgbroker._interest_drop_client();
+DROP FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint);
+DROP FUNCTION pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval);
+DROP FUNCTION pgbroker._interest_remove(bigint, integer, jsonb);
+DROP TABLE pgbroker.interest;
+DROP TABLE pgbroker.subscription;
+DROP FUNCTION pgbroker._encode_key(pgbroker.watched, jsonb);
+DROP FUNCTION pgbroker._key_settings(regtype[]);
+DROP FUNCTION pgbroker._watch_of(regclass);
+DROP FUNCTION pgbroker._lock_class_watch();
+DROP TABLE pgbroker.watched;
+DROP TRIGGER _200_clear_clients ON pgbroker.lease;
+DROP FUNCTION pgbroker._clients_clear();
+DROP FUNCTION pgbroker.client_unregister(text, text, bigint);
+DROP FUNCTION pgbroker.client_update(text, jsonb, text, bigint);
+DROP FUNCTION pgbroker.client_register(text, jsonb, text, bigint);
+DROP FUNCTION pgbroker._client_key(text, text);
+DROP FUNCTION pgbroker._acting_epoch(text, bigint);
+DROP TABLE pgbroker.client;
+DROP FUNCTION pgbroker.lease_history_prune(interval);
+DROP FUNCTION pgbroker.broker_state_delete(text, text);
+DROP FUNCTION pgbroker.broker_state_set(text, text, jsonb);
+DROP FUNCTION pgbroker._holder_epoch(text);
+DROP FUNCTION pgbroker.broker_alive(text);
+DROP FUNCTION pgbroker.broker_assert(text, bigint);
+DROP FUNCTION pgbroker.broker_heartbeat(text);
+DROP FUNCTION pgbroker.broker_release(text);
+DROP FUNCTION pgbroker.broker_claim(text, interval, boolean, interval, text);
+DROP FUNCTION pgbroker._lease_claim(text, interval, integer, interval, text);
+DROP FUNCTION pgbroker._lease_takeover_stale(text, interval);
+DROP FUNCTION pgbroker._lease_takeover(text);
+DROP FUNCTION pgbroker._lease_terminate(text, integer);
+DROP TRIGGER _100_clear_state ON pgbroker.lease;
+DROP FUNCTION pgbroker._lease_clear_state();
+DROP FUNCTION pgbroker._lease_sweep();
+DROP TRIGGER _900_sync_session_lock ON pgbroker.lease;
+DROP FUNCTION pgbroker._lease_sync_session_lock();
+DROP FUNCTION pgbroker._lease_touch(pgbroker.lease);
+DROP FUNCTION pgbroker._wait_ms(interval);
+DROP FUNCTION pgbroker._raise_held(text);
+DROP FUNCTION pgbroker._lock_holder_pid(integer);
+DROP FUNCTION pgbroker._lease_alive(integer, timestamptz, integer);
+DROP FUNCTION pgbroker._check_name(text);
+DROP TABLE pgbroker.state;
+DROP TABLE pgbroker.lease_event;
+DROP SEQUENCE pgbroker.lease_epoch_seq;
+DROP TABLE pgbroker.lease;
+DROP FUNCTION pgbroker._my_backend_start();
+DROP FUNCTION pgbroker._lock_class();
+DROP FUNCTION pgbroker.schema_version();
+
+REVOKE ALL ON SCHEMA pgbroker FROM PUBLIC, pgbroker_broker, pgbroker_reader, pgbroker_admin;
+DO $roles$
+DECLARE
+    v_role name;
+BEGIN
+    FOR v_role IN SELECT object FROM pgbroker.installed WHERE kind = 'role' ORDER BY object LOOP
+        BEGIN
+            EXECUTE format('DROP ROLE %I', v_role);
+        EXCEPTION WHEN dependent_objects_still_exist THEN
+            RAISE NOTICE 'role % kept: it still has privileges in another database', v_role;
+        END;
+    END LOOP;
+END
+$roles$;
+DROP TABLE pgbroker.installed;
+DROP FUNCTION pgbroker._set_database_search_path(boolean), pgbroker._search_path_elements(text);
+
+-- Outside pgbroker's own alembic environment (whose env.py drops the schema
+-- after removing its version table) the schema goes here.
+DO $schema$
+BEGIN
+    IF to_regclass('pgbroker.alembic_version') IS NULL THEN
+        DROP SCHEMA pgbroker;
+    END IF;
+END
+$schema$;

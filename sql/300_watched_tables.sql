@@ -1,0 +1,125 @@
+-- pgbroker: watched tables, and how their rows are named.
+--
+-- pgbroker.watch(table) (600_triggers.sql) records a table with a primary key
+-- here and installs triggers on it.  A row is named by its key, encoded as
+-- jsonb: a one-column key as its JSON scalar (to_jsonb(id): 42, "abc"), a
+-- composite key as a JSON array in key-column order ([7, "eu"]).  A
+-- whole-table subscription has the key JSON null.
+
+CREATE TABLE pgbroker.watched (
+    watch_id integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    relid oid NOT NULL CONSTRAINT watched_relid_unique UNIQUE,
+    table_name text NOT NULL,
+    key_columns text[] NOT NULL,
+    key_types regtype[] NOT NULL,
+    watched_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    -- Bumped by every subscribe: REPEATABLE READ writers lock this row FOR SHARE (see _watch_install).
+    generation bigint NOT NULL DEFAULT 0
+);
+COMMENT ON TABLE pgbroker.watched IS 'Tables watched by pgbroker.watch(). Internal: read the view pgbroker.watched_tables.';
+COMMENT ON COLUMN pgbroker.watched.watch_id IS 'Internal number of the watch; also names its trigger functions (pgbroker._watch_<id>_ins ...).';
+COMMENT ON COLUMN pgbroker.watched.relid IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.watched.table_name IS 'Its qualified name when it was watched.';
+COMMENT ON COLUMN pgbroker.watched.key_columns IS 'Primary-key columns, in key order.';
+COMMENT ON COLUMN pgbroker.watched.key_types IS 'Their types.';
+COMMENT ON COLUMN pgbroker.watched.watched_at IS 'When watch() last installed the triggers.';
+COMMENT ON COLUMN pgbroker.watched.generation IS 'Internal: bumped by every subscribe, so that REPEATABLE READ writers notice subscriptions newer than their snapshot.';
+
+
+-- ---------------------------------------------------------------------------
+-- Lock classes (first key of two-int4 advisory locks; second: see each).
+CREATE FUNCTION pgbroker._lock_class_watch()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823603 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_watch() IS
+    'Internal: ''pgbs''; (class, watch_id) is taken shared by writers'' triggers and exclusively by subscribe.';
+
+-- ---------------------------------------------------------------------------
+-- Keys.
+
+CREATE FUNCTION pgbroker._watch_of(p_table regclass)
+RETURNS pgbroker.watched
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_watch pgbroker.watched;
+BEGIN
+    IF p_table IS NULL THEN
+        RAISE EXCEPTION 'table must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT * INTO v_watch FROM pgbroker.watched WHERE relid = p_table;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'table % is not watched', p_table
+            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it first.';
+    END IF;
+    RETURN v_watch;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_of(regclass) IS 'Internal: the watched row of a table, PB021 when it is not watched.';
+
+-- to_jsonb() of a few types depends on session settings: timestamptz on
+-- TimeZone, interval on IntervalStyle, float4/float8 on extra_float_digits,
+-- bytea on bytea_output, money on lc_monetary (and so do arrays, ranges and
+-- composites of them).  A subscriber and a writer in sessions that differ
+-- would then encode the same key differently and miss each other.  So keys
+-- are always encoded under fixed settings: _encode_key always, the triggers
+-- of a table whose key has a type outside the list below (others pay nothing).
+CREATE FUNCTION pgbroker._key_settings(p_types regtype[])
+RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN bool_and(coalesce(nullif(t.typbasetype, 0), t.oid)::regtype = ANY (ARRAY[
+                    'smallint', 'integer', 'bigint', 'numeric', 'text', 'character varying', 'character',
+                    'name', 'uuid', 'boolean', 'date', 'timestamp without time zone',
+                    'time without time zone', 'time with time zone', 'oid', 'inet', 'cidr', 'macaddr',
+                    'macaddr8', '"char"', 'jsonb']::regtype[])
+                    OR t.typtype = 'e')
+                THEN ''
+                ELSE $s$ SET TimeZone = 'UTC' SET IntervalStyle = 'postgres' SET extra_float_digits = 1 $s$
+                  || $s$SET bytea_output = 'hex' SET lc_monetary = 'C'$s$ END
+      FROM unnest(p_types) AS k(typ)
+      JOIN pg_catalog.pg_type t ON t.oid = k.typ
+$$;
+COMMENT ON FUNCTION pgbroker._key_settings(regtype[]) IS
+    'Internal: the SET clauses the trigger functions of a table with these key types need so that keys encode as _encode_key() does; empty when no key type depends on session settings.';
+
+-- Normalise a key given by a caller: a scalar for a one-column key, an array
+-- for a composite one; each value cast to its column's type (so '"42"' and
+-- '42' are the same key of an integer column).  22023 on a wrong shape,
+-- 22P02 and friends on a value that does not cast.
+CREATE FUNCTION pgbroker._encode_key(p_watch pgbroker.watched, p_key jsonb)
+RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+-- The settings that change to_jsonb() of some key types: see _key_settings().
+SET TimeZone = 'UTC' SET IntervalStyle = 'postgres' SET extra_float_digits = 1 SET bytea_output = 'hex'
+SET lc_monetary = 'C'
+AS $$
+DECLARE
+    v_n integer := cardinality(p_watch.key_columns);
+    v_parts jsonb := CASE WHEN v_n = 1 THEN jsonb_build_array(p_key) ELSE p_key END;
+    v_sql text;
+    v_out jsonb;
+BEGIN
+    IF p_key IS NULL OR jsonb_typeof(p_key) = 'null' THEN
+        RETURN 'null'::jsonb;
+    END IF;
+    IF jsonb_typeof(v_parts) <> 'array' OR jsonb_array_length(v_parts) <> v_n
+       OR EXISTS (SELECT FROM jsonb_array_elements(v_parts) e WHERE jsonb_typeof(e) IN ('null', 'object', 'array')) THEN
+        RAISE EXCEPTION 'key % does not match the primary key (%) of %', p_key,
+                array_to_string(p_watch.key_columns, ', '), p_watch.table_name
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give a JSON scalar for a one-column key, a JSON array of scalars in key order for a composite one.';
+    END IF;
+    SELECT format('SELECT %s', CASE WHEN v_n = 1 THEN format('to_jsonb(($1->>0)::%s)', min(t)) ELSE
+               format('jsonb_build_array(%s)', string_agg(format('($1->>%s)::%s', i - 1, t), ', ' ORDER BY i)) END)
+      INTO v_sql
+      FROM unnest(p_watch.key_types::text[]) WITH ORDINALITY AS u(t, i);
+    EXECUTE v_sql INTO v_out USING v_parts;
+    RETURN v_out;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._encode_key(pgbroker.watched, jsonb) IS
+    'Internal: the canonical jsonb encoding of a key of the watched table (22023 on a wrong shape).';

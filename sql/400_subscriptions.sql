@@ -1,0 +1,215 @@
+-- pgbroker: subscriptions, and the interest the triggers read.
+--
+-- A client subscribes to one row of a watched table (by key) or to the whole
+-- table.  pgbroker.subscription holds one row per (client, table, key);
+-- pgbroker.interest aggregates them per (table, key, broker) into the array of
+-- client keys that the triggers (600_triggers.sql) copy into the outbox, so a
+-- changed row costs one index probe whatever the number of its subscribers.
+--
+-- No gap: subscribe() takes the table's watch lock exclusively, and writers'
+-- triggers take it shared, so a writer that read the interest without the new
+-- subscription commits before subscribe() returns, and every later one sees it.
+
+CREATE TABLE pgbroker.subscription (
+    client_key bigint NOT NULL REFERENCES pgbroker.client (client_key) ON DELETE CASCADE,
+    watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
+    row_key jsonb NOT NULL,
+    subscribed_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    PRIMARY KEY (client_key, watch_id, row_key)
+);
+CREATE INDEX subscription_watch ON pgbroker.subscription (watch_id);
+COMMENT ON TABLE pgbroker.subscription IS 'Which client is subscribed to which row (or, with key JSON null, to the whole table). Internal: use subscribe().';
+COMMENT ON COLUMN pgbroker.subscription.client_key IS 'The client.';
+COMMENT ON COLUMN pgbroker.subscription.watch_id IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.subscription.row_key IS 'The row''s key encoded as jsonb (see README), or JSON null for the whole table.';
+COMMENT ON COLUMN pgbroker.subscription.subscribed_at IS 'When.';
+
+-- The subscriptions aggregated per (table, key, broker): what the triggers
+-- read.  One index probe per changed row, whatever the number of clients.
+CREATE TABLE pgbroker.interest (
+    watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
+    row_key jsonb NOT NULL,
+    name text NOT NULL,
+    epoch bigint NOT NULL,
+    clients bigint[] NOT NULL,
+    -- The text of a one-column key, computed once here rather than in every
+    -- bulk statement (see _watch_install).
+    key_text text COLLATE "C"
+        GENERATED ALWAYS AS (CASE WHEN jsonb_typeof(row_key) IN ('number', 'string', 'boolean') THEN row_key #>> '{}' END) STORED,
+    PRIMARY KEY (watch_id, row_key, name)
+);
+CREATE INDEX interest_name ON pgbroker.interest (name);
+-- For bulk statements: which brokers have any interest in a table (two index
+-- probes, min and max), and one-column keys by their text.
+CREATE INDEX interest_watch_name ON pgbroker.interest (watch_id, name);
+CREATE INDEX interest_key_text ON pgbroker.interest (watch_id, key_text);
+COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_keys per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
+COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
+COMMENT ON COLUMN pgbroker.interest.name IS 'The broker (lease name) of these clients.';
+COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch.';
+COMMENT ON COLUMN pgbroker.interest.clients IS 'client_keys of the subscribed clients.';
+COMMENT ON COLUMN pgbroker.interest.key_text IS 'The text of a one-column key (row_key #>> ''{}''), byte-compared by bulk statements.';
+
+-- ---------------------------------------------------------------------------
+-- Subscriptions.
+
+-- Remove client p_client from interest rows: of one (watch, key), or all its own when p_watch_id is NULL.
+CREATE FUNCTION pgbroker._interest_remove(p_client bigint, p_watch_id integer, p_row_key jsonb)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := (SELECT c.name FROM pgbroker.client c WHERE c.client_key = p_client);
+    v_watch_ids integer[];
+    v_row_keys jsonb[];
+BEGIN
+    WITH mine AS (
+        DELETE FROM pgbroker.subscription s
+         WHERE s.client_key = p_client
+           AND (p_watch_id IS NULL OR (s.watch_id = p_watch_id AND s.row_key = p_row_key))
+        RETURNING s.watch_id, s.row_key
+    ), shrunk AS (
+        UPDATE pgbroker.interest i
+           SET clients = array_remove(i.clients, p_client)
+          FROM mine m
+         WHERE i.watch_id = m.watch_id AND i.row_key = m.row_key AND i.name = v_name
+        RETURNING i.watch_id, i.row_key, i.clients
+    )
+    SELECT array_agg(s.watch_id), array_agg(s.row_key) INTO v_watch_ids, v_row_keys
+      FROM shrunk s WHERE cardinality(s.clients) = 0;
+    -- A row can change only once per statement: drop the emptied ones now.
+    DELETE FROM pgbroker.interest i
+     USING unnest(v_watch_ids, v_row_keys) AS e(watch_id, row_key)
+     WHERE i.watch_id = e.watch_id AND i.row_key = e.row_key AND i.name = v_name AND cardinality(i.clients) = 0;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._interest_remove(bigint, integer, jsonb) IS
+    'Internal: drop subscriptions of a client (one, or all when p_watch_id is NULL) and shrink pgbroker.interest.';
+
+CREATE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
+                                   name text DEFAULT 'default', epoch bigint DEFAULT NULL,
+                                   wait interval DEFAULT '5 s')
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe.epoch);
+    v_client bigint := pgbroker._client_key(v_name, subscribe.client_id);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe."table");
+    v_key jsonb := pgbroker._encode_key(v_watch, subscribe.key);
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    -- A subscription to a table whose triggers are gone or disabled would
+    -- never hear of a change (triggers dropped by hand, or a dropped watched
+    -- table whose oid a new table reused).
+    IF (SELECT count(*) FROM pg_catalog.pg_trigger t
+         WHERE t.tgrelid = v_watch.relid AND t.tgenabled <> 'D'
+           AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')) <> 4 THEN
+        RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', subscribe."table"
+            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
+    END IF;
+    -- Exclusive against writers' triggers (shared): writers that already read
+    -- the interest without us commit first, later ones see us.
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(subscribe.wait), true);
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), v_watch.watch_id);
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', v_watch.table_name, subscribe.wait
+            USING ERRCODE = 'PB022', HINT = 'Retry, or pass a longer wait.';
+    END;
+    INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
+    VALUES (v_client, v_watch.watch_id, v_key)
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, clients)
+    VALUES (v_watch.watch_id, v_key, v_name, v_epoch, ARRAY[v_client])
+    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || v_client, epoch = excluded.epoch;
+    UPDATE pgbroker.watched SET generation = generation + 1 WHERE watch_id = v_watch.watch_id;
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval) IS
+$$Broker only: subscribe client CLIENT_ID to the row of watched TABLE whose primary key is KEY (jsonb: a scalar for a
+one-column key, an array in key order for a composite one), or to the whole table when KEY is NULL.
+No gap: once it returns, every change that commits later is in the outbox, so a client that subscribes and then reads
+the row misses nothing. Waits up to WAIT for writer transactions already past their trigger (PB022 after that).
+Returns false when the subscription existed. PB010 unknown client, PB021 table not watched, 22023 bad key.$$;
+
+CREATE FUNCTION pgbroker.unsubscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
+                                     name text DEFAULT 'default', epoch bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(unsubscribe.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, unsubscribe.epoch);
+    v_client bigint := pgbroker._client_key(v_name, unsubscribe.client_id);
+    v_watch pgbroker.watched := pgbroker._watch_of(unsubscribe."table");
+    v_key jsonb := pgbroker._encode_key(v_watch, unsubscribe.key);
+BEGIN
+    IF NOT EXISTS (SELECT FROM pgbroker.subscription s
+                    WHERE s.client_key = v_client AND s.watch_id = v_watch.watch_id AND s.row_key = v_key) THEN
+        RETURN false;
+    END IF;
+    PERFORM pgbroker._interest_remove(v_client, v_watch.watch_id, v_key);
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
+    'Broker only: drop the subscription of CLIENT_ID to KEY of TABLE (NULL: the whole-table one); false when there was none.';
+
+-- ---------------------------------------------------------------------------
+-- Keeping the interest in step with the client registry.
+
+-- An unregistered client leaves the interest of its broker's current epoch.
+-- (The clients of earlier epochs are deleted by a new claim, which deletes
+-- their whole interest at once: see _interest_clear.)
+CREATE FUNCTION pgbroker._interest_drop_client()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
+        PERFORM pgbroker._interest_remove(OLD.client_key, NULL, NULL);
+    END IF;
+    RETURN OLD;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._interest_drop_client() IS
+    'Internal (trigger): remove a client of the current epoch from pgbroker.interest before it is deleted.';
+
+CREATE TRIGGER _400_drop_interest
+BEFORE DELETE ON pgbroker.client
+FOR EACH ROW EXECUTE FUNCTION pgbroker._interest_drop_client();
+COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'An unregistered client leaves the interest its subscriptions made.';
+
+-- A new epoch deletes the interest of earlier ones.
+CREATE FUNCTION pgbroker._interest_clear()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    DELETE FROM pgbroker.interest WHERE name = NEW.name AND epoch < NEW.epoch;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._interest_clear() IS
+    'Internal (trigger): delete the interest a lease''s earlier epochs left.';
+
+CREATE TRIGGER _400_clear_interest
+AFTER UPDATE OF epoch ON pgbroker.lease
+FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
+EXECUTE FUNCTION pgbroker._interest_clear();
+COMMENT ON TRIGGER _400_clear_interest ON pgbroker.lease IS 'A new epoch deletes the interest of earlier ones.';

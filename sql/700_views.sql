@@ -1,0 +1,124 @@
+-- pgbroker: the views, the read-only interface for operators, frontends and
+-- pgbroker_reader.  Tables are not an interface; these are.
+
+-- ---------------------------------------------------------------------------
+-- Views for operators and frontends.
+
+CREATE VIEW pgbroker.brokers AS
+SELECT l.name,
+       l.epoch,
+       l.state,
+       l.holder_pid,
+       l.holder_application,
+       l.holder_address,
+       l.holder_user,
+       l.holder_info,
+       l.claimed_at,
+       l.heartbeat_at,
+       pg_catalog.clock_timestamp() - l.heartbeat_at AS heartbeat_age,
+       l.released_at,
+       pgbroker.broker_alive(l.name) AS alive,
+       -- 1885823602 is pgbroker._lock_class(), written out: readers of a view may not run internal functions.
+       (SELECT count(*) FROM pg_catalog.pg_locks w
+         WHERE w.locktype = 'advisory' AND NOT w.granted
+           AND w.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+           AND w.classid = 1885823602::oid AND w.objid = l.lock_key::oid AND w.objsubid = 2)::integer AS waiting
+  FROM pgbroker.lease l;
+COMMENT ON VIEW pgbroker.brokers IS 'One row per lease name: its epoch, holder and whether the holder is alive.';
+COMMENT ON COLUMN pgbroker.brokers.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.brokers.epoch IS 'Current epoch (fencing token); 0 before the first claim.';
+COMMENT ON COLUMN pgbroker.brokers.state IS 'new, held or released.';
+COMMENT ON COLUMN pgbroker.brokers.holder_pid IS 'Backend pid of the holder (of the last holder when not alive).';
+COMMENT ON COLUMN pgbroker.brokers.holder_application IS 'application_name of the holder at claim time.';
+COMMENT ON COLUMN pgbroker.brokers.holder_address IS 'Client address of the holder; NULL over a Unix socket.';
+COMMENT ON COLUMN pgbroker.brokers.holder_user IS 'Database user of the holder.';
+COMMENT ON COLUMN pgbroker.brokers.holder_info IS 'Free text the holder gave when claiming (info =>).';
+COMMENT ON COLUMN pgbroker.brokers.claimed_at IS 'When the current epoch was claimed.';
+COMMENT ON COLUMN pgbroker.brokers.heartbeat_at IS 'Last heartbeat of the holder.';
+COMMENT ON COLUMN pgbroker.brokers.heartbeat_age IS 'How long ago that was.';
+COMMENT ON COLUMN pgbroker.brokers.released_at IS 'When the holder released the lease, if it did.';
+COMMENT ON COLUMN pgbroker.brokers.alive IS 'True when the recorded holder''s backend exists and holds the lock.';
+COMMENT ON COLUMN pgbroker.brokers.waiting IS 'Number of sessions blocked in broker_claim() for this lease.';
+
+CREATE VIEW pgbroker.lease_history AS
+SELECT id, name, epoch, event, at, pid, db_user, application, address, info,
+       previous_epoch, previous_pid, previous_application, previous_address, previous_heartbeat_at, reason
+  FROM pgbroker.lease_event;
+COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover and release, oldest first by id: who took the lease from whom, when and why.';
+COMMENT ON COLUMN pgbroker.lease_history.id IS 'Increasing event number.';
+COMMENT ON COLUMN pgbroker.lease_history.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.lease_history.epoch IS 'Epoch claimed or released.';
+COMMENT ON COLUMN pgbroker.lease_history.event IS 'claim, takeover, stale_takeover or release.';
+COMMENT ON COLUMN pgbroker.lease_history.at IS 'When it happened (clock time inside the claiming transaction).';
+COMMENT ON COLUMN pgbroker.lease_history.pid IS 'Backend pid of the session that acted.';
+COMMENT ON COLUMN pgbroker.lease_history.db_user IS 'Database user (session_user) that acted.';
+COMMENT ON COLUMN pgbroker.lease_history.application IS 'Its application_name.';
+COMMENT ON COLUMN pgbroker.lease_history.address IS 'Its client address.';
+COMMENT ON COLUMN pgbroker.lease_history.info IS 'The info text given to broker_claim().';
+COMMENT ON COLUMN pgbroker.lease_history.previous_epoch IS 'For a claim: the epoch it replaced.';
+COMMENT ON COLUMN pgbroker.lease_history.previous_pid IS 'For a claim: the previous holder''s pid.';
+COMMENT ON COLUMN pgbroker.lease_history.previous_application IS 'For a claim: the previous holder''s application_name.';
+COMMENT ON COLUMN pgbroker.lease_history.previous_address IS 'For a claim: the previous holder''s address.';
+COMMENT ON COLUMN pgbroker.lease_history.previous_heartbeat_at IS 'For a claim: the previous holder''s last heartbeat.';
+COMMENT ON COLUMN pgbroker.lease_history.reason IS 'Why, in words.';
+
+CREATE VIEW pgbroker.broker_state AS
+SELECT s.name, s.epoch, s.key, s.value, s.updated_at
+  FROM pgbroker.state s
+  JOIN pgbroker.lease l ON l.name = s.name AND l.epoch = s.epoch;
+COMMENT ON VIEW pgbroker.broker_state IS 'Key/value state published by the current broker of each lease.';
+COMMENT ON COLUMN pgbroker.broker_state.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.broker_state.epoch IS 'Epoch of the broker that wrote it.';
+COMMENT ON COLUMN pgbroker.broker_state.key IS 'Key.';
+COMMENT ON COLUMN pgbroker.broker_state.value IS 'Value.';
+COMMENT ON COLUMN pgbroker.broker_state.updated_at IS 'When it was last set.';
+
+-- ---------------------------------------------------------------------------
+-- Views.
+
+CREATE VIEW pgbroker.watched_tables AS
+SELECT w.relid::regclass AS "table", w.key_columns, w.watched_at,
+       (SELECT count(*) FROM pgbroker.subscription s WHERE s.watch_id = w.watch_id) AS subscriptions
+  FROM pgbroker.watched w;
+COMMENT ON VIEW pgbroker.watched_tables IS 'Tables watched by pgbroker, with their key columns and number of subscriptions.';
+COMMENT ON COLUMN pgbroker.watched_tables."table" IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.watched_tables.key_columns IS 'Its primary-key columns, in the order used by key encoding.';
+COMMENT ON COLUMN pgbroker.watched_tables.watched_at IS 'When watch() last installed its triggers.';
+COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscriptions to it.';
+
+CREATE VIEW pgbroker.subscriptions AS
+SELECT c.name, c.client_id, w.relid::regclass AS "table",
+       CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
+  FROM pgbroker.subscription s
+  JOIN pgbroker.client c ON c.client_key = s.client_key
+  JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
+COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what.';
+COMMENT ON COLUMN pgbroker.subscriptions.name IS 'Broker (lease name) of the client.';
+COMMENT ON COLUMN pgbroker.subscriptions.client_id IS 'The client.';
+COMMENT ON COLUMN pgbroker.subscriptions."table" IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.subscriptions.key IS 'The row key (jsonb), NULL for a whole-table subscription.';
+COMMENT ON COLUMN pgbroker.subscriptions.subscribed_at IS 'When.';
+
+CREATE VIEW pgbroker.outbox_pending AS
+SELECT o.name, count(*) AS pending, min(o.at) AS oldest
+  FROM pgbroker.outbox o
+ GROUP BY o.name;
+COMMENT ON VIEW pgbroker.outbox_pending IS 'Undelivered notifications per broker: how many and since when.';
+COMMENT ON COLUMN pgbroker.outbox_pending.name IS 'Broker (lease name).';
+COMMENT ON COLUMN pgbroker.outbox_pending.pending IS 'Notifications not yet acknowledged.';
+COMMENT ON COLUMN pgbroker.outbox_pending.oldest IS 'Statement time of the oldest one.';
+
+CREATE VIEW pgbroker.clients AS
+SELECT c.name, c.epoch, c.client_id, c.info, c.registered_at, c.updated_at,
+       (SELECT count(*) FROM pgbroker.subscription s WHERE s.client_key = c.client_key)::integer AS subscriptions
+  FROM pgbroker.client c
+  JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
+ WHERE pgbroker.broker_alive(l.name);
+COMMENT ON VIEW pgbroker.clients IS 'Clients connected to live brokers, with their broker (lease name) and epoch.';
+COMMENT ON COLUMN pgbroker.clients.name IS 'Lease name of the broker the client is connected to.';
+COMMENT ON COLUMN pgbroker.clients.epoch IS 'Epoch of that broker.';
+COMMENT ON COLUMN pgbroker.clients.client_id IS 'Client identifier given by the broker.';
+COMMENT ON COLUMN pgbroker.clients.info IS 'What the broker knows of the client (address, version...).';
+COMMENT ON COLUMN pgbroker.clients.registered_at IS 'When it was registered.';
+COMMENT ON COLUMN pgbroker.clients.updated_at IS 'When its info last changed.';
+COMMENT ON COLUMN pgbroker.clients.subscriptions IS 'How many subscriptions it has.';
