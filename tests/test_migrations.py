@@ -21,6 +21,8 @@ from __future__ import annotations
 import ast
 import difflib
 import hashlib
+import importlib.util
+import re
 import os
 import shutil
 import subprocess
@@ -36,7 +38,7 @@ import sqlalchemy
 from alembic.script import ScriptDirectory
 
 from pgbroker import install
-from pgbroker._embedded import EmbeddedPostgres
+from pgbroker._embedded import EmbeddedPostgres, find_pg_bin
 
 REPO = Path(__file__).resolve().parent.parent
 PGBROKER_SCHEMA = "pgbroker"
@@ -486,6 +488,79 @@ def test_sql_files_exist_and_are_ordered():
     assert any(n.startswith("000_") for n in names), names
 
 
+def _psql() -> str:
+    beside = Path(sys.executable).parent / "psql"
+    for candidate in (find_pg_bin() / "psql", beside):
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("psql")
+    assert found, "psql not found"
+    return found
+
+
+def test_sql_loads_with_psql_and_defines_each_function_once(pg_server, empty_db):
+    """psql -v ON_ERROR_STOP=1 with check_function_bodies on, file by file in name
+    order, into an empty database: no error, and no function created twice (an
+    event trigger records every CREATE FUNCTION, OR REPLACE included)."""
+    _execute(
+        empty_db,
+        "CREATE SCHEMA audit",
+        "CREATE TABLE audit.created (file text, identity text)",
+        """CREATE FUNCTION audit.record() RETURNS event_trigger LANGUAGE plpgsql AS $$
+           BEGIN
+               INSERT INTO audit.created
+               SELECT current_setting('audit.file', true), c.object_identity
+                 FROM pg_event_trigger_ddl_commands() c WHERE c.command_tag = 'CREATE FUNCTION';
+           END $$""",
+        "CREATE EVENT TRIGGER record_functions ON ddl_command_end EXECUTE FUNCTION audit.record()",
+    )
+    env = {**_clean_env(), "PGOPTIONS": "-c check_function_bodies=on"}
+    for path in sql_files():
+        env["PGOPTIONS"] = f"-c check_function_bodies=on -c audit.file={path.name}"
+        done = subprocess.run(
+            [_psql(), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", empty_db, "-f", str(path)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert done.returncode == 0, f"{path.name} failed to load:\n{done.stderr}"
+    rows = _rows(empty_db, "SELECT identity, array_agg(file ORDER BY file) FROM audit.created GROUP BY 1")
+    assert rows, "no function was created?"
+    twice = {identity: files for identity, files in rows if len(files) > 1}
+    assert not twice, f"functions created more than once: {twice}"
+
+
+_DEFINES = re.compile(
+    r"^CREATE (?:UNLOGGED )?(?:TABLE|VIEW|SEQUENCE|FUNCTION) pgbroker\.(\w+)", re.MULTILINE
+)
+_REFERS = re.compile(r"pgbroker\.(\w+)")
+
+
+def _code(text: str) -> str:
+    """SQL without comments, COMMENT ON statements and quoted literals (prose may point anywhere)."""
+    text = re.sub(r"^COMMENT ON .*?(?:\$\$;|';)$", "", text, flags=re.MULTILINE | re.DOTALL)
+    text = re.sub(r"--[^\n]*", "", text)
+    return re.sub(r"'(?:[^']|'')*'", "''", text)
+
+
+def test_sql_files_never_refer_forward():
+    """sql/ reads top to bottom: a file refers only to pgbroker objects defined in it or in files before it."""
+    files = sql_files()
+    defined_in = {}
+    for i, path in enumerate(files):
+        for name in _DEFINES.findall(path.read_text()):
+            defined_in.setdefault(name, i)
+    forward = []
+    for i, path in enumerate(files):
+        for name in set(_REFERS.findall(_code(path.read_text()))):
+            if name.endswith("_") or name == "alembic_version":  # format() templates; alembic's table
+                continue
+            # An identity column's sequence (<table>_<column>_seq) comes with its table.
+            where = defined_in.get(name, defined_in.get(name.rsplit("_", 2)[0]) if name.endswith("_seq") else None)
+            if where is None or where > i:
+                later = files[where].name if where is not None else "nowhere"
+                forward.append(f"{path.name} refers to pgbroker.{name}, defined in {later}")
+    assert not forward, "\n".join(sorted(forward))
+
+
 def test_catalog_migrations_equal_sql(built_dbs):
     migrated = snapshot(built_dbs["migrations"])
     from_sql = snapshot(built_dbs["sql"])
@@ -560,42 +635,51 @@ def test_revisions_run_frozen_sql_beside_them():
 
 
 # Released revisions never change: a change to the schema is a new revision.
-# Every revision file must be listed here (the test below fails otherwise), so
-# a new revision is guarded from the moment it lands on main.  While a
-# revision is still unreleased, refresh its checksums as you edit it.
-RELEASED = {
-    "0001_lease.downgrade.sql": "c53686a456ec5d17c8c3602fc34401b1e4d4f3a79b0edadfee4f879c3f66b782",
-    "0001_lease.py": "dbdd15ab2ca24dcd244729a3b818623d8608974ab9e71686fe78c34c77fc2128",
-    "0001_lease.sql": "9fa4cf2425eca7c05da59ad4fe744d69d41c6b5d77142fe656b473ad9e05115b",
-    "0002_fanout.downgrade.sql": "7719a0f492b6dae33445f9c7cb975d0cc21f9a0289ff021223399e70aed28633",
-    "0002_fanout.py": "b530b2c23775fabf08ea95f2eda24be0de04e457c53bff02b923f18e27fb7869",
-    "0002_fanout.sql": "5a8f8dbd00d6463f596daf7504445475281b160ce62a92716049359be3039bea",
-    "0003_initech.downgrade.sql": "868f2b9d17dc81e7f7b5a8ae3d865c205f17cb05e91e264219c408860c3190ad",
-    "0003_initech.py": "8d35f06b943fc28512c620768f135bce39c203f8f91f54a8215f4ecd034e2106",
-    "0003_initech.sql": "1e56eafca2a2d22890537240f94016374042437390a94b1cf27f293251000ed4",
-    "0004_fanout_speed.downgrade.sql": "55c671207ec67b9f153f367e474d79308574a6a38eb1f5c5ff6685e90830b0f5",
-    "0004_fanout_speed.py": "f1c080e172edc72c2ae557325f76d4863a0170f831f444f94e985263b7f61047",
-    "0004_fanout_speed.sql": "956d432fe0475ed35ab65dc892ed3e87d01e11a98e1c2304aaf7459250633911",
-    "0005_bulk_plans.downgrade.sql": "86221d6e82132d11501a27355ac96caeff2970f0b9ac63d34889ae24b9f7cd50",
-    "0005_bulk_plans.py": "0ba09bf8d56da3b5581b016b85f9c12ea6079abcc047320e6104ef7b2ce84e18",
-    "0005_bulk_plans.sql": "a941becc5bb06e2e882e4a9f7de783225d46f859d73480847a8d3ed8749dcee3",
-    "0006_bulk_speed.downgrade.sql": "22a9a8f41b095c36672421875c37fa06777263b2eb8350768d644dda8ca20eda",
-    "0006_bulk_speed.py": "6911f40b6b9188cba3980e634ef6d0f5790fd7b56117b9e4a748d8e84137ffee",
-    "0006_bulk_speed.sql": "44e3fcab1d15206a40a2959ed041492d2af8334aa9b51eb5ae12d3138ab6a9db",
-}
+# Nothing is released yet (no version tag): the schema is one baseline
+# revision generated from sql/ (test below).  At the first release, list the
+# sha256 of every revision file here; from then on they are frozen, and every
+# later change to sql/ comes with a new, hand-written revision.
+RELEASED: dict[str, str] = {}
 
 
 def test_released_revisions_are_unchanged():
     versions = install.versions_path()
-    on_disk = {p.name for p in versions.iterdir() if p.suffix in (".py", ".sql") and p.name[:1].isdigit()}
-    unlisted = sorted(on_disk - set(RELEASED))
-    assert not unlisted, f"revision files missing from RELEASED (add their sha256): {unlisted}"
     for name, digest in RELEASED.items():
         path = versions / name
         assert path.is_file(), f"released revision file {name} is gone"
         assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, (
             f"{name} was released and must not change: write a new revision instead"
         )
+
+
+def _build_baseline_module():
+    spec = importlib.util.spec_from_file_location("build_baseline", REPO / "migrations" / "build_baseline.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_baseline_revisions_are_generated_from_sql():
+    """Before the first release the revisions are exactly what migrations/build_baseline.py makes of sql/."""
+    if RELEASED:
+        pytest.skip("released: revisions are frozen and no longer regenerated")
+    build = _build_baseline_module()
+    versions = install.versions_path()
+    wanted = build.revision_files()
+    on_disk = {p.name for p in versions.iterdir() if p.suffix in (".py", ".sql")}
+    assert on_disk == set(wanted), "run: python3 migrations/build_baseline.py"
+    for name, text in wanted.items():
+        assert (versions / name).read_text() == text, f"{name} differs from sql/: run python3 migrations/build_baseline.py"
+    assert build.CORE == install.SCHEMA_VERSION
+
+
+def test_schema_version_names_the_core_revision(built_dbs):
+    build = _build_baseline_module()
+    for url in built_dbs.values():
+        assert _scalar(url, "SELECT pgbroker.schema_version()") == build.CORE
+    chain = [r.revision for r in reversed(list(script_directory().walk_revisions()))]
+    assert chain == [build.CORE, build.INITECH]
 
 
 # ---------------------------------------------------------------------------
@@ -644,63 +728,22 @@ def test_upgrade_downgrade_upgrade(pg_server, empty_db, search_path):
 
 
 def test_each_downgrade_step_gives_back_the_revision_before_it(empty_db):
-    # Every revision's downgrade is exact on its own, not only all the way
-    # to base: regenerated trigger functions of watched tables included
-    # (0003 watches initech.objects; one more table is watched here).
+    # Every revision's downgrade is exact on its own, not only all the way to
+    # base, with a watched table of the user's in place.
     url = empty_db
     chain = [r.revision for r in reversed(list(script_directory().walk_revisions()))]
-    assert chain[0] == "0001_lease" and len(chain) >= 6, chain
-    install.migrate(url, chain[1])
+    install.migrate(url, chain[0])
     _execute(url, "CREATE TABLE public.pairs (a integer, b text, v integer, PRIMARY KEY (a, b))")
     _execute(url, "SELECT pgbroker.watch('public.pairs')")
-    at = {}
+    at = {chain[0]: snapshot(url)}
     for revision in chain[1:]:
         install.migrate(url, revision)
         at[revision] = snapshot(url)
-    for before, after in reversed(list(zip(chain[1:-1], chain[2:], strict=True))):
+    for before, after in reversed(list(zip(chain[:-1], chain[1:], strict=True))):
         install.downgrade(url, before)
         assert install.current_revision(url) == (before,)
         report = diff_snapshots(at[before], snapshot(url), f"upgrade to {before}", f"downgrade from {after}")
         assert not report, f"downgrading {after} does not give back {before}:\n" + report
-
-
-def test_0005_encodes_existing_keys_again_under_fixed_settings(empty_db):
-    # Before 0005 a timestamptz key was encoded in the subscriber's TimeZone; a
-    # writer in another one missed it.  The upgrade encodes such keys again and
-    # rebuilds their interest rows; subscriptions of other tables stay as they were.
-    url = empty_db
-    install.migrate(url, "0004_fanout_speed")
-    with psycopg.connect(url, autocommit=True) as broker, psycopg.connect(url, autocommit=True) as writer:
-        writer.execute("CREATE TABLE public.events (at timestamptz PRIMARY KEY, v int NOT NULL DEFAULT 0)")
-        writer.execute("INSERT INTO public.events (at) VALUES ('2026-11-29 12:00+00'), ('2026-11-29 13:00+00')")
-        writer.execute("INSERT INTO initech.objects (id, name) VALUES (1, 'one')")
-        writer.execute("SELECT pgbroker.watch('public.events')")
-        broker.execute("SET TimeZone = 'Asia/Tokyo'")
-        broker.execute("SELECT pgbroker.broker_claim()")
-        for client in ("a", "b"):
-            broker.execute("SELECT pgbroker.client_register(%s)", (client,))
-            broker.execute(
-                "SELECT pgbroker.subscribe(%s, 'public.events', to_jsonb('2026-11-29 12:00+00'::timestamptz))",
-                (client,),
-            )
-        broker.execute("SELECT pgbroker.subscribe('a', 'initech.objects', '1')")
-        old_keys = broker.execute("SELECT DISTINCT row_key::text FROM pgbroker.subscription").fetchall()
-        assert sorted(old_keys) == sorted([("1",), ('"2026-11-29T21:00:00+09:00"',)])
-
-        install.migrate(url)
-
-        keys = broker.execute("SELECT row_key::text, count(*) FROM pgbroker.subscription GROUP BY 1").fetchall()
-        assert sorted(keys) == sorted([("1", 1), ('"2026-11-29T12:00:00+00:00"', 2)])
-        interest = broker.execute(
-            "SELECT row_key::text, (SELECT array_agg(c.client_id ORDER BY n) FROM unnest(i.clients)"
-            " WITH ORDINALITY u(k, n) JOIN pgbroker.client c ON c.client_key = u.k) FROM pgbroker.interest i"
-        ).fetchall()
-        assert sorted(interest) == sorted([("1", ["a"]), ('"2026-11-29T12:00:00+00:00"', ["a", "b"])])
-        writer.execute("SET TimeZone = 'America/New_York'")
-        writer.execute("UPDATE public.events SET v = 1")
-        writer.execute("UPDATE initech.objects SET name = 'uno'")
-        rows = broker.execute('SELECT "table", key, clients FROM pgbroker.outbox_fetch() ORDER BY id').fetchall()
-        assert rows == [("public.events", "2026-11-29T12:00:00+00:00", ["a", "b"]), ("initech.objects", 1, ["a"])]
 
 
 def _leftovers(url: str) -> list[str]:
@@ -939,6 +982,10 @@ def test_public_has_no_privilege(built_url):
         ORDER BY 1, 2
         """,
     )
+    # PUBLIC has USAGE on the schema (so that a role without pgbroker rights is
+    # told it lacks the right to call a function, not that there is none) and
+    # may ask for the schema's version; nothing else.
+    granted = [g for g in granted if g not in (("schema pgbroker", "USAGE"), ("function pgbroker.schema_version()", "EXECUTE"))]
     assert not granted, "PUBLIC has privileges in schema pgbroker:\n  " + "\n  ".join(
         f"{obj}: {priv}" for obj, priv in granted
     )
@@ -949,6 +996,7 @@ def test_public_has_no_privilege(built_url):
         SELECT p.oid::regprocedure::text FROM pg_proc p
          WHERE p.pronamespace = 'pgbroker'::regnamespace
            AND (p.proacl IS NULL OR EXISTS (SELECT FROM unnest(p.proacl::text[]) i WHERE i LIKE '=%X%/%'))
+           AND p.oid <> 'pgbroker.schema_version()'::regprocedure
         """,
     )
     assert not default_acl, f"functions still executable by PUBLIC: {default_acl}"
