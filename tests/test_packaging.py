@@ -143,3 +143,32 @@ def test_wheel_cli_migrate(venv, wheel, empty_db, tmp_path):
     assert f"schema version {install.SCHEMA_VERSION}" in done.stdout
     assert install.current_revision(empty_db) == (script_directory().get_current_head(),)
     assert _scalar(empty_db, "SELECT pgbroker.broker_claim('cli')") == 1
+
+
+# ---------------------------------------------------------------------------
+# CI
+
+TEST_COMMAND = "python3 -m pip install -e '.[test]' && python3 -m pytest"
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_venv():
+    ci = (REPO / ".ci" / "run").read_text()
+    assert TEST_COMMAND in (REPO / "README.md").read_text()
+    lines = [line.strip() for line in ci.splitlines()]
+    command = next(i for i, line in enumerate(lines) if TEST_COMMAND in line)
+    venv = next(i for i, line in enumerate(lines) if line.startswith("python3 -m venv ") and "$venv" in line)
+    activate = next(i for i, line in enumerate(lines) if line.startswith('. "$venv/bin/activate"'))
+    assert venv < activate < command
+    assert lines[0] == "#!/usr/bin/env bash" and "set -euo pipefail" in lines
+
+
+def test_ci_fails_when_pytest_collects_no_tests(tmp_path):
+    """Run .ci/run's test step with a pytest that collects nothing: exit code 5 must come out."""
+    ci = (REPO / ".ci" / "run").read_text()
+    step = ci[ci.index("status=0") :]
+    script = tmp_path / "step"
+    no_tests = "python3 -m pytest -q --co -k no_such_test_xyz"
+    script.write_text("set -euo pipefail\n" + step.replace(TEST_COMMAND, no_tests))
+    done = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 5, done.stdout + done.stderr
+    assert "CI: pytest collected no tests" in done.stderr
