@@ -14,7 +14,10 @@ from pgbroker.errors import (
     NotWatched,
     PermissionDenied,
     PgBrokerError,
+    SchemaMismatch,
+    SchemaMissing,
     StaleEpoch,
+    TableBusy,
     UnknownClient,
 )
 from pgbroker.install import migrate
@@ -32,7 +35,10 @@ __all__ = [
     "NotWatched",
     "PermissionDenied",
     "PgBrokerError",
+    "SchemaMismatch",
+    "SchemaMissing",
     "StaleEpoch",
+    "TableBusy",
     "UnknownClient",
     "migrate",
 ]

@@ -39,6 +39,7 @@ from pgbroker._core import (
     HEARTBEAT_SQL,
     REGISTER_SQL,
     RELEASE_SQL,
+    SCHEMA_VERSION_SQL,
     SESSION_SQL,
     SLEEP_SQL,
     STATE_DELETE_SQL,
@@ -56,7 +57,7 @@ from pgbroker._core import (
     _raise_translated,
     _Waiter,
 )
-from pgbroker.errors import LeaseLost, PgBrokerError
+from pgbroker.errors import LeaseLost, PgBrokerError, schema_error
 
 __all__ = ["AsyncBroker"]
 
@@ -111,14 +112,21 @@ class AsyncBroker(_BrokerBase):
     async def claim(self) -> int:
         """Connect, claim the lease and start heartbeats; return the epoch.
 
-        Raises :class:`LeaseHeld` (with the holder in ``detail``),
-        :class:`PermissionDenied`, :class:`InvalidArgument`, or a psycopg
-        error for connection problems.
+        First checks that the database has the schema version this package
+        installs (:class:`SchemaMissing`, :class:`SchemaMismatch`: run
+        ``pgbroker migrate``).  Raises :class:`LeaseHeld` (the holder in its
+        attributes and ``detail``), :class:`PermissionDenied`,
+        :class:`InvalidArgument`, or a psycopg error for connection problems.
         """
         if self._state != "new":
             raise PgBrokerError(f"a {type(self).__name__} claims once; this one is {self._state}")
         conn = await psycopg.AsyncConnection.connect(self.url, **self._connect_params())
         try:
+            try:
+                cur = await conn.execute(SCHEMA_VERSION_SQL)
+            except psycopg.Error as exc:
+                _raise_translated(exc, schema_error(exc, conn.info.dbname))
+            self._check_schema(conn.info.dbname, await cur.fetchone())
             await conn.execute(SESSION_SQL, self._session_params())
             if self.dead_man is not None:
                 await conn.execute(DEAD_MAN_SQL, {"ms": str(_ms(self.dead_man))})

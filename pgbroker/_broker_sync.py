@@ -27,6 +27,7 @@ from pgbroker._core import (
     HEARTBEAT_SQL,
     REGISTER_SQL,
     RELEASE_SQL,
+    SCHEMA_VERSION_SQL,
     SESSION_SQL,
     SLEEP_SQL,
     STATE_DELETE_SQL,
@@ -44,7 +45,7 @@ from pgbroker._core import (
     _raise_translated,
     _Waiter,
 )
-from pgbroker.errors import LeaseLost, PgBrokerError
+from pgbroker.errors import LeaseLost, PgBrokerError, schema_error
 
 __all__ = ["Broker"]
 
@@ -99,14 +100,21 @@ class Broker(_BrokerBase):
     def claim(self) -> int:
         """Connect, claim the lease and start heartbeats; return the epoch.
 
-        Raises :class:`LeaseHeld` (with the holder in ``detail``),
-        :class:`PermissionDenied`, :class:`InvalidArgument`, or a psycopg
-        error for connection problems.
+        First checks that the database has the schema version this package
+        installs (:class:`SchemaMissing`, :class:`SchemaMismatch`: run
+        ``pgbroker migrate``).  Raises :class:`LeaseHeld` (the holder in its
+        attributes and ``detail``), :class:`PermissionDenied`,
+        :class:`InvalidArgument`, or a psycopg error for connection problems.
         """
         if self._state != "new":
             raise PgBrokerError(f"a {type(self).__name__} claims once; this one is {self._state}")
         conn = psycopg.Connection.connect(self.url, **self._connect_params())
         try:
+            try:
+                cur = conn.execute(SCHEMA_VERSION_SQL)
+            except psycopg.Error as exc:
+                _raise_translated(exc, schema_error(exc, conn.info.dbname))
+            self._check_schema(conn.info.dbname, cur.fetchone())
             conn.execute(SESSION_SQL, self._session_params())
             if self.dead_man is not None:
                 conn.execute(DEAD_MAN_SQL, {"ms": str(_ms(self.dead_man))})

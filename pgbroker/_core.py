@@ -25,8 +25,8 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from pgbroker.errors import LeaseLost, PgBrokerError, translate
-from pgbroker.install import libpq_url
+from pgbroker.errors import LeaseLost, PgBrokerError, is_session_lost, schema_mismatch, translate
+from pgbroker.install import SCHEMA_VERSION, libpq_url
 
 log = logging.getLogger("pgbroker.broker")
 
@@ -39,6 +39,9 @@ SELECT pg_catalog.set_config('tcp_keepalives_idle', %(idle)s, false),
        pg_catalog.set_config('tcp_keepalives_count', %(count)s, false),
        pg_catalog.set_config('tcp_user_timeout', %(user_timeout)s, false),
        pg_catalog.set_config('statement_timeout', '0', false)"""
+# The start-up check: which schema version is installed (errors.schema_error
+# says what it means when the function is missing).
+SCHEMA_VERSION_SQL = "SELECT pgbroker.schema_version()"
 DEAD_MAN_SQL = "SELECT pg_catalog.set_config('idle_session_timeout', %(ms)s, false)"
 CLAIM_SQL = (
     "SELECT pgbroker.broker_claim(name => %(name)s, wait => %(wait)s, takeover => %(takeover)s,"
@@ -154,9 +157,9 @@ def _interval(seconds: float | timedelta | None, what: str) -> timedelta | None:
     return timedelta(seconds=seconds)
 
 
-def _raise_translated(exc: psycopg.Error) -> NoReturn:
-    """Raise the pgbroker exception for ``exc`` (chained to it), or ``exc`` itself."""
-    new = translate(exc)
+def _raise_translated(exc: psycopg.Error, new: Exception | None = None) -> NoReturn:
+    """Raise ``new``, by default the pgbroker exception for ``exc``, chained to ``exc`` (or ``exc`` itself)."""
+    new = translate(exc) if new is None else new
     if new is exc:
         raise exc
     raise new from exc
@@ -164,14 +167,6 @@ def _raise_translated(exc: psycopg.Error) -> NoReturn:
 
 def _default_info() -> str:
     return f"{socket.gethostname()} pid {os.getpid()}"
-
-
-def _is_loss(conn: psycopg.BaseConnection[Any], exc: psycopg.Error) -> bool:
-    """Does this error mean the session (and so the lease) is gone or not ours?"""
-    sqlstate = getattr(exc, "sqlstate", None) or ""
-    return bool(
-        conn.broken or conn.closed or sqlstate == "PB001" or sqlstate.startswith("08") or sqlstate.startswith("57P")
-    )
 
 
 class _Waiter:
@@ -358,9 +353,15 @@ class _BrokerBase:
 
     def _classify(self, conn: psycopg.BaseConnection[Any], exc: psycopg.Error) -> Exception:
         """The exception to raise for a failed statement; marks the broker lost when it is."""
-        if self._state == "held" and _is_loss(conn, exc):
+        if self._state == "held" and is_session_lost(conn, exc):
             return self._mark_lost(f"{exc}".strip(), getattr(exc, "sqlstate", None), exc)
         return translate(exc)
+
+    def _check_schema(self, database: str, row: Any) -> None:
+        """Raise :class:`SchemaMismatch` unless ``row`` (of ``SCHEMA_VERSION_SQL``) is what this package installs."""
+        error = schema_mismatch(database, row[0], SCHEMA_VERSION)
+        if error is not None:
+            raise error
 
     def _mark_lost(self, why: str, sqlstate: str | None, cause: BaseException | None) -> LeaseLost:
         """Record the loss (the first one wins) and return it."""

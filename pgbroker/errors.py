@@ -3,16 +3,27 @@
 Every error pgbroker's SQL raises carries a documented SQLSTATE (README,
 "SQLSTATEs").  :func:`translate` turns a psycopg error into the matching
 :class:`PgBrokerError` subclass, chained to the original, without ever parsing
-message text.
+message text (the one structured field read is :class:`LeaseHeld`'s DETAIL,
+a JSON object by contract).  :func:`is_session_lost` says which errors mean
+the broker session (and so its lease) is gone, and :func:`schema_error` what
+a failed ``pgbroker.schema_version()`` means.
 """
 
 from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from typing import Any
 
 import psycopg
 
 __all__ = [
     "PgBrokerError",
     "LeaseHeld",
+    "SchemaMissing",
+    "SchemaMismatch",
+    "TableBusy",
     "NotHolder",
     "StaleEpoch",
     "LeaseLost",
@@ -22,6 +33,9 @@ __all__ = [
     "NotWatchable",
     "NotWatched",
     "translate",
+    "is_session_lost",
+    "schema_error",
+    "schema_mismatch",
 ]
 
 
@@ -41,7 +55,45 @@ class PgBrokerError(Exception):
 
 
 class LeaseHeld(PgBrokerError):
-    """55P03: another session holds the lease (and the wait, if any, ran out)."""
+    """55P03: another session holds the lease (and the wait, if any, ran out).
+
+    The holder, from the JSON object in ``detail``: ``name`` (the lease),
+    ``pid``, ``application``, ``address``, ``user``, ``info``, ``epoch``,
+    ``since`` and ``heartbeat_at`` (datetimes).  When the lock is held by a
+    session that is not the recorded holder (a claim committing right now, or
+    a stray lock), ``pid`` is that session, ``recorded_pid`` and ``state`` are
+    the recorded holder's, and the holder's other fields are None.  Every
+    field is None when ``detail`` is not such an object.
+    """
+
+    name: str | None
+    pid: int | None
+    application: str | None
+    address: str | None
+    user: str | None
+    info: str | None
+    epoch: int | None
+    since: datetime | None
+    heartbeat_at: datetime | None
+    recorded_pid: int | None
+    state: str | None
+
+    def __init__(
+        self, message: str, *, sqlstate: str | None = None, detail: str | None = None, hint: str | None = None
+    ):
+        super().__init__(message, sqlstate=sqlstate, detail=detail, hint=hint)
+        fields = _json_object(detail)
+        self.name = _typed(fields.get("name"), str)
+        self.pid = _typed(fields.get("pid"), int)
+        self.application = _typed(fields.get("application"), str)
+        self.address = _typed(fields.get("address"), str)
+        self.user = _typed(fields.get("user"), str)
+        self.info = _typed(fields.get("info"), str)
+        self.epoch = _typed(fields.get("epoch"), int)
+        self.since = _timestamp(fields.get("since"))
+        self.heartbeat_at = _timestamp(fields.get("heartbeat_at"))
+        self.recorded_pid = _typed(fields.get("recorded_pid"), int)
+        self.state = _typed(fields.get("state"), str)
 
 
 class NotHolder(PgBrokerError):
@@ -76,6 +128,18 @@ class NotWatched(PgBrokerError):
     """PB021: the table is not watched, so nobody can subscribe to it."""
 
 
+class TableBusy(PgBrokerError):
+    """PB022: ``subscribe`` could not take the table's watch lock within its ``wait`` (a writer stayed open)."""
+
+
+class SchemaMissing(PgBrokerError):
+    """pgbroker is not installed in the database (no ``pgbroker.schema_version()``): run ``pgbroker migrate``."""
+
+
+class SchemaMismatch(SchemaMissing):
+    """The installed schema is not the version this package expects: run ``pgbroker migrate``."""
+
+
 _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "55P03": LeaseHeld,
     "PB001": NotHolder,
@@ -90,7 +154,18 @@ _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "42809": NotWatchable,
     "42P01": NotWatchable,
     "PB021": NotWatched,
+    "PB022": TableBusy,
 }
+
+# What a failed ``SELECT pgbroker.schema_version()`` means beyond the map
+# above (42501 there is still PermissionDenied).  Only for that statement:
+# elsewhere 3F000 can be the schema of a table the caller named.
+_SCHEMA_MISSING_SQLSTATES = frozenset({"42883", "3F000"})  # undefined_function, invalid_schema_name
+
+# The session, and so the lease, is gone or not ours: PB001 not_holder,
+# class 08 (connection exception), class 57P (operator intervention:
+# terminated, shutting down, cannot connect now, idle_session_timeout).
+_LOSS_SQLSTATE = re.compile(r"PB001$|08|57P")
 
 
 def translate(exc: psycopg.Error) -> Exception:
@@ -103,3 +178,60 @@ def translate(exc: psycopg.Error) -> Exception:
     new = cls(diag.message_primary or str(exc), sqlstate=sqlstate, detail=diag.message_detail, hint=diag.message_hint)
     new.__cause__ = exc
     return new
+
+
+def is_session_lost(conn: psycopg.BaseConnection[Any], exc: psycopg.Error) -> bool:
+    """Does this error, on the broker's own connection, mean its session (and so the lease) is gone or not ours?"""
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    return bool(conn.broken or conn.closed or _LOSS_SQLSTATE.match(sqlstate))
+
+
+def schema_error(exc: psycopg.Error, database: str) -> Exception:
+    """The exception for a failed ``SELECT pgbroker.schema_version()`` in ``database``."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate not in _SCHEMA_MISSING_SQLSTATES:
+        return translate(exc)
+    new = SchemaMissing(
+        f'pgbroker is not installed in database "{database}" (or is older than pgbroker.schema_version()): '
+        "run `pgbroker migrate` (or `alembic upgrade head`) on it",
+        sqlstate=sqlstate,
+        detail=exc.diag.message_primary,
+    )
+    new.__cause__ = exc
+    return new
+
+
+def schema_mismatch(database: str, installed: str, expected: str | None) -> SchemaMismatch | None:
+    """The error when ``database`` has schema version ``installed`` and this package expects ``expected``."""
+    if expected is None or installed == expected:
+        return None
+    return SchemaMismatch(
+        f'database "{database}" has pgbroker schema version {installed}, this package expects {expected}: '
+        "run `pgbroker migrate` (or `alembic upgrade head`) with this package"
+    )
+
+
+def _json_object(detail: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(detail or "")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _typed(value: Any, kind: type) -> Any:
+    """``value`` if it is a ``kind`` (bool is not an int here), else None."""
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+
+def _timestamp(value: Any) -> datetime | None:
+    """A timestamptz as PostgreSQL's JSON writes it (``2026-12-01T01:57:03.6939+00:00``), or None."""
+    if not isinstance(value, str):
+        return None
+    # Python 3.10's fromisoformat wants 0, 3 or 6 fraction digits and a +HH:MM offset.
+    text = re.sub(r"\.(\d{1,6})", lambda m: "." + m.group(1).ljust(6, "0"), value, count=1)
+    text = re.sub(r"([+-]\d\d)$", r"\1:00", text)
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return None
