@@ -4,6 +4,7 @@ from a virtual environment without the source tree."""
 from __future__ import annotations
 
 import os
+import re
 import site
 import subprocess
 import sys
@@ -172,3 +173,28 @@ def test_ci_fails_when_pytest_collects_no_tests(tmp_path):
     done = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 5, done.stdout + done.stderr
     assert "CI: pytest collected no tests" in done.stderr
+
+
+# ---------------------------------------------------------------------------
+# Runtime dependencies
+
+
+def test_runtime_dependencies_are_alembic_sqlalchemy_and_psycopg_only(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    names = [re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requires if "extra ==" not in r]
+    runtime = sorted(names)
+    assert runtime == ["alembic", "psycopg", "sqlalchemy"], requires
+    assert any(r.startswith("pytest-postgresql") and "extra == 'test'" in r.replace('"', "'") for r in requires)
+
+
+def test_the_package_imports_no_test_package():
+    code = (
+        "import sys, pgbroker, pgbroker.cli, pgbroker.demo, pgbroker._embedded, pgbroker.install;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pytest', '_pytest', 'pytest_postgresql', "
+        "'mirakuru', 'psutil', 'port_for')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
