@@ -143,8 +143,7 @@ def _demo(url: str, name: str, cleanup: contextlib.ExitStack, *, own_server: boo
     from pgbroker.errors import LeaseHeld, StaleEpoch, translate
 
     before = install.installed_version(url)
-    install.migrate(url)
-    now = install.installed_version(url)
+    now = install.migrate(url).schema_version
     if before is None:
         how = "" if own_server else " (remove it with: pgbroker downgrade --url ...)"
         _say(f"  installed pgbroker (schema version {now}){how}")
