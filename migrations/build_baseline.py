@@ -48,21 +48,21 @@ beside it ({stem}.sql, {stem}.downgrade.sql).  Once released, it never changes.
 """
 
 {imports}
-revision = {revision!r}
-down_revision = {down_revision!r}
-branch_labels = {branch_labels!r}
+revision = {revision}
+down_revision = {down_revision}
+branch_labels = {branch_labels}
 depends_on = None
 
 {body}'''
 
-CORE_BODY = '''
+CORE_BODY = """
 def upgrade() -> None:
     run_revision_sql(__file__, "upgrade")
 
 
 def downgrade() -> None:
     run_revision_sql(__file__, "downgrade")
-'''
+"""
 
 INITECH_BODY = '''
 def _wanted() -> bool:
@@ -186,22 +186,27 @@ def core_downgrade() -> str:
     return GENERATED + CORE_DOWNGRADE_HEAD + "\n" + "\n".join(drops) + "\n" + CORE_DOWNGRADE_TAIL
 
 
+def _py(value: object) -> str:
+    """A Python literal as ruff formats it (double quotes)."""
+    return repr(value).replace("'", '"')
+
+
 def revision_files() -> dict[str, str]:
     """File name (in migrations/versions/) -> text, for every generated revision."""
     core_py = REVISION_PY.format(
         title="pgbroker baseline: the whole core schema, generated from sql/.",
-        revision=CORE,
-        down_revision=None,
-        branch_labels=("pgbroker",),
+        revision=_py(CORE),
+        down_revision=_py(None),
+        branch_labels=_py(("pgbroker",)),
         stem="0001_baseline",
         imports="from pgbroker.install import run_revision_sql\n",
         body=CORE_BODY,
     )
     initech_py = REVISION_PY.format(
         title="pgbroker: the reference table initech.objects, watched (skipped with -x initech=no).",
-        revision=INITECH,
-        down_revision=CORE,
-        branch_labels=None,
+        revision=_py(INITECH),
+        down_revision=_py(CORE),
+        branch_labels=_py(None),
         stem="0002_initech",
         imports="from alembic import context\n\nfrom pgbroker.install import run_revision_sql\n",
         body=INITECH_BODY,
@@ -221,7 +226,9 @@ def main(argv: list[str]) -> int:
     wanted = revision_files()
     present = {p.name for p in VERSIONS.iterdir() if p.is_file() and p.suffix in (".py", ".sql")}
     stale = sorted(present - set(wanted))
-    differ = sorted(n for n, text in wanted.items() if not (VERSIONS / n).exists() or (VERSIONS / n).read_text() != text)
+    differ = sorted(
+        n for n, text in wanted.items() if not (VERSIONS / n).exists() or (VERSIONS / n).read_text() != text
+    )
     if check:
         for name in differ:
             print(f"migrations/versions/{name} differs from what sql/ generates", file=sys.stderr)

@@ -218,15 +218,3 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    # -- compatibility: tests/test_fanout_concurrency.py restarts a crashed server
-    #    with ``server._executor._clear_process()`` and ``server._executor.start()``
-    #    (the pytest-postgresql executor this class used to hold).  start() now
-    #    does that by itself.
-
-    @property
-    def _executor(self) -> EmbeddedPostgres | None:
-        return self if self.directory is not None else None
-
-    def _clear_process(self) -> None:
-        pass

@@ -22,12 +22,11 @@ import ast
 import difflib
 import hashlib
 import importlib.util
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
-import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -519,7 +518,10 @@ def test_sql_loads_with_psql_and_defines_each_function_once(pg_server, empty_db)
         env["PGOPTIONS"] = f"-c check_function_bodies=on -c audit.file={path.name}"
         done = subprocess.run(
             [_psql(), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", empty_db, "-f", str(path)],
-            env=env, capture_output=True, text=True, timeout=120,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert done.returncode == 0, f"{path.name} failed to load:\n{done.stderr}"
     rows = _rows(empty_db, "SELECT identity, array_agg(file ORDER BY file) FROM audit.created GROUP BY 1")
@@ -528,9 +530,7 @@ def test_sql_loads_with_psql_and_defines_each_function_once(pg_server, empty_db)
     assert not twice, f"functions created more than once: {twice}"
 
 
-_DEFINES = re.compile(
-    r"^CREATE (?:UNLOGGED )?(?:TABLE|VIEW|SEQUENCE|FUNCTION) pgbroker\.(\w+)", re.MULTILINE
-)
+_DEFINES = re.compile(r"^CREATE (?:UNLOGGED )?(?:TABLE|VIEW|SEQUENCE|FUNCTION) pgbroker\.(\w+)", re.MULTILINE)
 _REFERS = re.compile(r"pgbroker\.(\w+)")
 
 
@@ -670,7 +670,9 @@ def test_baseline_revisions_are_generated_from_sql():
     on_disk = {p.name for p in versions.iterdir() if p.suffix in (".py", ".sql")}
     assert on_disk == set(wanted), "run: python3 migrations/build_baseline.py"
     for name, text in wanted.items():
-        assert (versions / name).read_text() == text, f"{name} differs from sql/: run python3 migrations/build_baseline.py"
+        assert (versions / name).read_text() == text, (
+            f"{name} differs from sql/: run python3 migrations/build_baseline.py"
+        )
     assert build.CORE == install.SCHEMA_VERSION
 
 
@@ -985,7 +987,9 @@ def test_public_has_no_privilege(built_url):
     # PUBLIC has USAGE on the schema (so that a role without pgbroker rights is
     # told it lacks the right to call a function, not that there is none) and
     # may ask for the schema's version; nothing else.
-    granted = [g for g in granted if g not in (("schema pgbroker", "USAGE"), ("function pgbroker.schema_version()", "EXECUTE"))]
+    granted = [
+        g for g in granted if g not in (("schema pgbroker", "USAGE"), ("function pgbroker.schema_version()", "EXECUTE"))
+    ]
     assert not granted, "PUBLIC has privileges in schema pgbroker:\n  " + "\n  ".join(
         f"{obj}: {priv}" for obj, priv in granted
     )

@@ -1,6 +1,6 @@
 """pgbroker baseline: the whole core schema, generated from sql/.
 
-Revision ID: pgbroker_0001_baseline
+Revision ID: "pgbroker_0001_baseline"
 Revises: None
 
 Generated from sql/ by migrations/build_baseline.py; the SQL it runs lives
@@ -9,9 +9,9 @@ beside it (0001_baseline.sql, 0001_baseline.downgrade.sql).  Once released, it n
 
 from pgbroker.install import run_revision_sql
 
-revision = 'pgbroker_0001_baseline'
+revision = "pgbroker_0001_baseline"
 down_revision = None
-branch_labels = ('pgbroker',)
+branch_labels = ("pgbroker",)
 depends_on = None
 
 

@@ -1,7 +1,7 @@
 """pgbroker: the reference table initech.objects, watched (skipped with -x initech=no).
 
-Revision ID: pgbroker_0002_initech
-Revises: pgbroker_0001_baseline
+Revision ID: "pgbroker_0002_initech"
+Revises: "pgbroker_0001_baseline"
 
 Generated from sql/ by migrations/build_baseline.py; the SQL it runs lives
 beside it (0002_initech.sql, 0002_initech.downgrade.sql).  Once released, it never changes.
@@ -11,8 +11,8 @@ from alembic import context
 
 from pgbroker.install import run_revision_sql
 
-revision = 'pgbroker_0002_initech'
-down_revision = 'pgbroker_0001_baseline'
+revision = "pgbroker_0002_initech"
+down_revision = "pgbroker_0001_baseline"
 branch_labels = None
 depends_on = None
 
