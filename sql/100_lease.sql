@@ -385,24 +385,26 @@ COMMENT ON FUNCTION pgbroker._lease_sweep() IS
 -- A new epoch wipes what earlier epochs left.  Every area that keeps state
 -- per epoch (broker state here; clients, interest and the outbox in later
 -- files) adds its own AFTER UPDATE OF epoch trigger on pgbroker.lease, named
--- _NNN_clear_<what>, so that each area owns the clean-up of its tables.
-CREATE FUNCTION pgbroker._lease_clear_state()
+-- _NNN_clear_<what>, that runs this function on its table, so that each area
+-- owns the clean-up of its tables.
+CREATE FUNCTION pgbroker._lease_clear_epochs()
 RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    DELETE FROM pgbroker.state WHERE name = NEW.name AND epoch < NEW.epoch;
+    -- TG_ARGV[0]: a table of schema pgbroker with columns name and epoch.
+    EXECUTE format('DELETE FROM pgbroker.%I WHERE name = $1 AND epoch < $2', TG_ARGV[0]) USING NEW.name, NEW.epoch;
     RETURN NULL;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._lease_clear_state() IS
-    'Internal (trigger): delete the broker state a lease''s earlier epochs left.';
+COMMENT ON FUNCTION pgbroker._lease_clear_epochs() IS
+    'Internal (trigger on pgbroker.lease, argument: a table name): delete the rows that a lease''s earlier epochs left in that table.';
 
 CREATE TRIGGER _100_clear_state
 AFTER UPDATE OF epoch ON pgbroker.lease
 FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._lease_clear_state();
+EXECUTE FUNCTION pgbroker._lease_clear_epochs('state');
 COMMENT ON TRIGGER _100_clear_state ON pgbroker.lease IS 'A new epoch deletes the broker state of earlier ones.';
 
 -- ---------------------------------------------------------------------------

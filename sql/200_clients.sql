@@ -142,21 +142,8 @@ COMMENT ON FUNCTION pgbroker.client_unregister(text, text, bigint) IS
 
 -- A new epoch deletes the clients earlier epochs registered (and with them
 -- their subscriptions, by the foreign key).
-CREATE FUNCTION pgbroker._clients_clear()
-RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    DELETE FROM pgbroker.client WHERE name = NEW.name AND epoch < NEW.epoch;
-    RETURN NULL;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._clients_clear() IS
-    'Internal (trigger): delete the clients a lease''s earlier epochs registered.';
-
 CREATE TRIGGER _200_clear_clients
 AFTER UPDATE OF epoch ON pgbroker.lease
 FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._clients_clear();
+EXECUTE FUNCTION pgbroker._lease_clear_epochs('client');
 COMMENT ON TRIGGER _200_clear_clients ON pgbroker.lease IS 'A new epoch deletes the clients of earlier ones.';

@@ -173,7 +173,7 @@ COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
 
 -- An unregistered client leaves the interest of its broker's current epoch.
 -- (The clients of earlier epochs are deleted by a new claim, which deletes
--- their whole interest at once: see _interest_clear.)
+-- their whole interest at once: trigger _400_clear_interest, below.)
 CREATE FUNCTION pgbroker._interest_drop_client()
 RETURNS trigger
 LANGUAGE plpgsql
@@ -195,21 +195,8 @@ FOR EACH ROW EXECUTE FUNCTION pgbroker._interest_drop_client();
 COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'An unregistered client leaves the interest its subscriptions made.';
 
 -- A new epoch deletes the interest of earlier ones.
-CREATE FUNCTION pgbroker._interest_clear()
-RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    DELETE FROM pgbroker.interest WHERE name = NEW.name AND epoch < NEW.epoch;
-    RETURN NULL;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._interest_clear() IS
-    'Internal (trigger): delete the interest a lease''s earlier epochs left.';
-
 CREATE TRIGGER _400_clear_interest
 AFTER UPDATE OF epoch ON pgbroker.lease
 FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._interest_clear();
+EXECUTE FUNCTION pgbroker._lease_clear_epochs('interest');
 COMMENT ON TRIGGER _400_clear_interest ON pgbroker.lease IS 'A new epoch deletes the interest of earlier ones.';

@@ -285,21 +285,8 @@ COMMENT ON FUNCTION pgbroker.outbox_ack(text, bigint[]) IS
 
 -- ---------------------------------------------------------------------------
 -- A new epoch deletes the notifications pending for earlier ones.
-CREATE FUNCTION pgbroker._outbox_clear()
-RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    DELETE FROM pgbroker.outbox WHERE name = NEW.name AND epoch < NEW.epoch;
-    RETURN NULL;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._outbox_clear() IS
-    'Internal (trigger): delete the notifications pending for a lease''s earlier epochs.';
-
 CREATE TRIGGER _500_clear_outbox
 AFTER UPDATE OF epoch ON pgbroker.lease
 FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._outbox_clear();
+EXECUTE FUNCTION pgbroker._lease_clear_epochs('outbox');
 COMMENT ON TRIGGER _500_clear_outbox ON pgbroker.lease IS 'A new epoch deletes the notifications pending for earlier ones.';

@@ -500,24 +500,26 @@ COMMENT ON FUNCTION pgbroker._lease_sweep() IS
 -- A new epoch wipes what earlier epochs left.  Every area that keeps state
 -- per epoch (broker state here; clients, interest and the outbox in later
 -- files) adds its own AFTER UPDATE OF epoch trigger on pgbroker.lease, named
--- _NNN_clear_<what>, so that each area owns the clean-up of its tables.
-CREATE FUNCTION pgbroker._lease_clear_state()
+-- _NNN_clear_<what>, that runs this function on its table, so that each area
+-- owns the clean-up of its tables.
+CREATE FUNCTION pgbroker._lease_clear_epochs()
 RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    DELETE FROM pgbroker.state WHERE name = NEW.name AND epoch < NEW.epoch;
+    -- TG_ARGV[0]: a table of schema pgbroker with columns name and epoch.
+    EXECUTE format('DELETE FROM pgbroker.%I WHERE name = $1 AND epoch < $2', TG_ARGV[0]) USING NEW.name, NEW.epoch;
     RETURN NULL;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._lease_clear_state() IS
-    'Internal (trigger): delete the broker state a lease''s earlier epochs left.';
+COMMENT ON FUNCTION pgbroker._lease_clear_epochs() IS
+    'Internal (trigger on pgbroker.lease, argument: a table name): delete the rows that a lease''s earlier epochs left in that table.';
 
 CREATE TRIGGER _100_clear_state
 AFTER UPDATE OF epoch ON pgbroker.lease
 FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._lease_clear_state();
+EXECUTE FUNCTION pgbroker._lease_clear_epochs('state');
 COMMENT ON TRIGGER _100_clear_state ON pgbroker.lease IS 'A new epoch deletes the broker state of earlier ones.';
 
 -- ---------------------------------------------------------------------------
@@ -1135,23 +1137,10 @@ COMMENT ON FUNCTION pgbroker.client_unregister(text, text, bigint) IS
 
 -- A new epoch deletes the clients earlier epochs registered (and with them
 -- their subscriptions, by the foreign key).
-CREATE FUNCTION pgbroker._clients_clear()
-RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    DELETE FROM pgbroker.client WHERE name = NEW.name AND epoch < NEW.epoch;
-    RETURN NULL;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._clients_clear() IS
-    'Internal (trigger): delete the clients a lease''s earlier epochs registered.';
-
 CREATE TRIGGER _200_clear_clients
 AFTER UPDATE OF epoch ON pgbroker.lease
 FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._clients_clear();
+EXECUTE FUNCTION pgbroker._lease_clear_epochs('client');
 COMMENT ON TRIGGER _200_clear_clients ON pgbroker.lease IS 'A new epoch deletes the clients of earlier ones.';
 
 -- ===== sql/300_watched_tables.sql =====
@@ -1459,7 +1448,7 @@ COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
 
 -- An unregistered client leaves the interest of its broker's current epoch.
 -- (The clients of earlier epochs are deleted by a new claim, which deletes
--- their whole interest at once: see _interest_clear.)
+-- their whole interest at once: trigger _400_clear_interest, below.)
 CREATE FUNCTION pgbroker._interest_drop_client()
 RETURNS trigger
 LANGUAGE plpgsql
@@ -1481,23 +1470,10 @@ FOR EACH ROW EXECUTE FUNCTION pgbroker._interest_drop_client();
 COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'An unregistered client leaves the interest its subscriptions made.';
 
 -- A new epoch deletes the interest of earlier ones.
-CREATE FUNCTION pgbroker._interest_clear()
-RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    DELETE FROM pgbroker.interest WHERE name = NEW.name AND epoch < NEW.epoch;
-    RETURN NULL;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._interest_clear() IS
-    'Internal (trigger): delete the interest a lease''s earlier epochs left.';
-
 CREATE TRIGGER _400_clear_interest
 AFTER UPDATE OF epoch ON pgbroker.lease
 FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._interest_clear();
+EXECUTE FUNCTION pgbroker._lease_clear_epochs('interest');
 COMMENT ON TRIGGER _400_clear_interest ON pgbroker.lease IS 'A new epoch deletes the interest of earlier ones.';
 
 -- ===== sql/500_outbox.sql =====
@@ -1789,23 +1765,10 @@ COMMENT ON FUNCTION pgbroker.outbox_ack(text, bigint[]) IS
 
 -- ---------------------------------------------------------------------------
 -- A new epoch deletes the notifications pending for earlier ones.
-CREATE FUNCTION pgbroker._outbox_clear()
-RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    DELETE FROM pgbroker.outbox WHERE name = NEW.name AND epoch < NEW.epoch;
-    RETURN NULL;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._outbox_clear() IS
-    'Internal (trigger): delete the notifications pending for a lease''s earlier epochs.';
-
 CREATE TRIGGER _500_clear_outbox
 AFTER UPDATE OF epoch ON pgbroker.lease
 FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._outbox_clear();
+EXECUTE FUNCTION pgbroker._lease_clear_epochs('outbox');
 COMMENT ON TRIGGER _500_clear_outbox ON pgbroker.lease IS 'A new epoch deletes the notifications pending for earlier ones.';
 
 -- ===== sql/600_triggers.sql =====
