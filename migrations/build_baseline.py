@@ -94,7 +94,7 @@ SELECT pgbroker._set_database_search_path(false);
 # of the cluster still uses them), the record of them, and the schema when no
 # alembic version table of pgbroker's own environment is left in it.
 CORE_DOWNGRADE_TAIL = """
-REVOKE ALL ON SCHEMA pgbroker FROM PUBLIC, pgbroker_broker, pgbroker_reader, pgbroker_admin;
+REVOKE ALL ON SCHEMA pgbroker FROM PUBLIC, pgbroker_broker, pgbroker_reader, pgbroker_user, pgbroker_admin;
 DO $roles$
 DECLARE
     v_role name;

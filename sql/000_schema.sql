@@ -44,7 +44,7 @@ DO $roles$
 DECLARE
     v_role text;
 BEGIN
-    FOREACH v_role IN ARRAY ARRAY['pgbroker_broker', 'pgbroker_reader', 'pgbroker_admin'] LOOP
+    FOREACH v_role IN ARRAY ARRAY['pgbroker_broker', 'pgbroker_reader', 'pgbroker_user', 'pgbroker_admin'] LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = v_role) THEN
             EXECUTE format('CREATE ROLE %I NOLOGIN', v_role);
             INSERT INTO pgbroker.installed (kind, object) VALUES ('role', v_role);

@@ -122,3 +122,79 @@ COMMENT ON COLUMN pgbroker.clients.info IS 'What the broker knows of the client 
 COMMENT ON COLUMN pgbroker.clients.registered_at IS 'When it was registered.';
 COMMENT ON COLUMN pgbroker.clients.updated_at IS 'When its info last changed.';
 COMMENT ON COLUMN pgbroker.clients.subscriptions IS 'How many subscriptions it has.';
+
+-- ---------------------------------------------------------------------------
+-- The coordination primitives.  pg_stat_activity shows other roles' sessions
+-- (application_name, ...) only to roles with pg_read_all_stats: without it,
+-- application is NULL for them.
+
+CREATE VIEW pgbroker.locks AS
+SELECT n.name,
+       CASE WHEN l.mode = 'ExclusiveLock' THEN 'exclusive' ELSE 'shared' END AS mode,
+       l.pid AS holder_pid,
+       a.application_name AS application,
+       a.backend_start AS holder_since,
+       (SELECT count(*) FROM pg_catalog.pg_locks w
+         WHERE w.locktype = 'advisory' AND NOT w.granted AND w.database = l.database
+           AND w.classid = l.classid AND w.objid = l.objid AND w.objsubid = 2)::integer AS waiting,
+       (SELECT min(w.waitstart) FROM pg_catalog.pg_locks w
+         WHERE w.locktype = 'advisory' AND NOT w.granted AND w.database = l.database
+           AND w.classid = l.classid AND w.objid = l.objid AND w.objsubid = 2) AS waiting_since
+  FROM pg_catalog.pg_locks l
+  JOIN pgbroker.lock_name n ON n.key = l.objid::integer
+  LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+   AND l.classid = 1885823596::oid   -- named locks ('pgbl')
+   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
+COMMENT ON VIEW pgbroker.locks IS 'Named locks held now: one row per holder and mode, with how many sessions wait for the lock.';
+COMMENT ON COLUMN pgbroker.locks.name IS 'Lock name.';
+COMMENT ON COLUMN pgbroker.locks.mode IS 'exclusive or shared.';
+COMMENT ON COLUMN pgbroker.locks.holder_pid IS 'Backend pid of a holder.';
+COMMENT ON COLUMN pgbroker.locks.application IS 'Its application_name (NULL for other roles'' sessions without pg_read_all_stats).';
+COMMENT ON COLUMN pgbroker.locks.holder_since IS 'When the holder''s session started (PostgreSQL does not record when an advisory lock was granted).';
+COMMENT ON COLUMN pgbroker.locks.waiting IS 'Sessions blocked in lock_acquire() for this lock.';
+COMMENT ON COLUMN pgbroker.locks.waiting_since IS 'Since when the longest of them has waited.';
+
+CREATE VIEW pgbroker.semaphores AS
+SELECT p.name,
+       max(p.permit) AS permits,
+       count(l.pid)::integer AS held,
+       array_agg(l.pid ORDER BY p.permit) FILTER (WHERE l.pid IS NOT NULL) AS holders,
+       (SELECT count(DISTINCT w.pid) FROM pg_catalog.pg_locks w
+          JOIN pgbroker.semaphore_permit q ON q.key = w.objid::integer AND q.name = p.name
+         WHERE w.locktype = 'advisory' AND NOT w.granted AND w.objsubid = 2
+           AND w.classid = 1885823597::oid
+           AND w.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+       )::integer AS waiting
+  FROM pgbroker.semaphore_permit p
+  LEFT JOIN pg_catalog.pg_locks l
+    ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+   AND l.classid = 1885823597::oid   -- semaphore permits ('pgbm')
+   AND l.objid = p.key::oid
+   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+ GROUP BY p.name;
+COMMENT ON VIEW pgbroker.semaphores IS 'Semaphores: how many permits exist, how many are held and by whom.';
+COMMENT ON COLUMN pgbroker.semaphores.name IS 'Semaphore name.';
+COMMENT ON COLUMN pgbroker.semaphores.permits IS 'The largest limit it has been used with.';
+COMMENT ON COLUMN pgbroker.semaphores.held IS 'Permits held now.';
+COMMENT ON COLUMN pgbroker.semaphores.holders IS 'Backend pids of the holders, by permit number.';
+COMMENT ON COLUMN pgbroker.semaphores.waiting IS 'Sessions blocked in semaphore_acquire() (waiters that LISTEN are not counted).';
+
+CREATE VIEW pgbroker.kv AS
+SELECT e.key, e.version, e.updated_at, e.expires_at,
+       CASE WHEN pg_catalog.pg_has_role(current_user, 'pgbroker_user', 'MEMBER') THEN e.value END AS value
+  FROM pgbroker.kv_entry e
+ WHERE e.expires_at IS NULL OR e.expires_at > pg_catalog.clock_timestamp();
+COMMENT ON VIEW pgbroker.kv IS 'Live entries of the key-value store; values only to members of pgbroker_user.';
+COMMENT ON COLUMN pgbroker.kv.key IS 'The key.';
+COMMENT ON COLUMN pgbroker.kv.version IS 'Version of its last change.';
+COMMENT ON COLUMN pgbroker.kv.updated_at IS 'When it last changed.';
+COMMENT ON COLUMN pgbroker.kv.expires_at IS 'When it expires (NULL: never).';
+COMMENT ON COLUMN pgbroker.kv.value IS 'Its value, for members of pgbroker_user (NULL for other readers).';
+
+CREATE VIEW pgbroker.counters AS
+SELECT c.name, c.value, c.updated_at FROM pgbroker.counter c;
+COMMENT ON VIEW pgbroker.counters IS 'Atomic counters and their values.';
+COMMENT ON COLUMN pgbroker.counters.name IS 'Counter name.';
+COMMENT ON COLUMN pgbroker.counters.value IS 'Its value.';
+COMMENT ON COLUMN pgbroker.counters.updated_at IS 'When it last changed.';

@@ -2,11 +2,14 @@
 --
 -- PUBLIC gets USAGE on the schema and nothing else but schema_version(), so
 -- that a role without pgbroker rights that calls a function is told it lacks
--- the right to, rather than that the function does not exist.  Three NOLOGIN
+-- the right to, rather than that the function does not exist.  Four NOLOGIN
 -- roles (created in 000_schema.sql) are granted to the user's login roles:
 --   pgbroker_reader  SELECT on the views, broker_alive()
 --   pgbroker_broker  the lease, broker state, clients, subscriptions, delivery
---   pgbroker_admin   both, plus takeover => true, watch, unwatch, pruning
+--   pgbroker_user    the coordination primitives: locks, semaphores, the
+--                    key-value store, counters (workers that use them need
+--                    no power over the lease, such as stale takeovers)
+--   pgbroker_admin   all three, plus takeover => true, watch, unwatch, pruning
 -- Tables and internal (_-prefixed) functions are never granted: the API
 -- functions (SECURITY DEFINER, search_path pinned) and the views are the
 -- interface.  A test compares what each role may execute with the README.
@@ -21,7 +24,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgbroker FROM PUBLIC;
 GRANT USAGE ON SCHEMA pgbroker TO PUBLIC;
 GRANT EXECUTE ON FUNCTION pgbroker.schema_version() TO PUBLIC;
 
-GRANT pgbroker_broker, pgbroker_reader TO pgbroker_admin;
+GRANT pgbroker_broker, pgbroker_reader, pgbroker_user TO pgbroker_admin;
 
 -- Readers: the views.
 GRANT SELECT ON
@@ -31,7 +34,11 @@ GRANT SELECT ON
     pgbroker.clients,
     pgbroker.subscriptions,
     pgbroker.watched_tables,
-    pgbroker.outbox_pending
+    pgbroker.outbox_pending,
+    pgbroker.locks,
+    pgbroker.semaphores,
+    pgbroker.kv,
+    pgbroker.counters
 TO pgbroker_reader;
 GRANT EXECUTE ON FUNCTION
     pgbroker.broker_alive(text)
@@ -57,6 +64,22 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_sleep(text, interval),
     pgbroker.wakeup_channel(text)
 TO pgbroker_broker;
+
+-- Users: the coordination primitives.
+GRANT EXECUTE ON FUNCTION
+    pgbroker.lock_acquire(text, interval, boolean, boolean),
+    pgbroker.lock_release(text, boolean),
+    pgbroker.semaphore_acquire(text, integer, interval),
+    pgbroker.semaphore_release(text),
+    pgbroker.semaphore_channel(text),
+    pgbroker.kv_get(text),
+    pgbroker.kv_set(text, jsonb, bigint, interval),
+    pgbroker.kv_delete(text, bigint),
+    pgbroker.kv_channel(),
+    pgbroker.counter_add(text, bigint),
+    pgbroker.counter_get(text),
+    pgbroker.counter_set(text, bigint, bigint)
+TO pgbroker_user;
 
 -- Admins: watching tables and housekeeping (takeover => true is checked by
 -- broker_claim itself: the login role must be a member of pgbroker_admin).

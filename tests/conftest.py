@@ -33,6 +33,7 @@ _counter = itertools.count()
 TEST_ROLES = {
     "t_reader": "pgbroker_reader",
     "t_broker": "pgbroker_broker",
+    "t_user": "pgbroker_user",
     "t_admin": "pgbroker_admin",
     "t_none": None,
 }

@@ -41,7 +41,7 @@ from pgbroker._embedded import EmbeddedPostgres, find_pg_bin
 
 REPO = Path(__file__).resolve().parent.parent
 PGBROKER_SCHEMA = "pgbroker"
-PGBROKER_ROLES = ("pgbroker_admin", "pgbroker_broker", "pgbroker_reader")
+PGBROKER_ROLES = ("pgbroker_admin", "pgbroker_broker", "pgbroker_reader", "pgbroker_user")
 # Objects that exist only in an alembic-built database.
 EXCLUDED_RELATIONS = {(PGBROKER_SCHEMA, "alembic_version")}
 
@@ -801,7 +801,7 @@ def test_downgrade_keeps_roles_it_did_not_create(private_cluster):
         url, "CREATE ROLE pgbroker_reader NOLOGIN", "CREATE ROLE app_login LOGIN", "GRANT pgbroker_reader TO app_login"
     )
     install.migrate(url)
-    assert _installed_roles(url) == {"pgbroker_admin", "pgbroker_broker"}
+    assert _installed_roles(url) == {"pgbroker_admin", "pgbroker_broker", "pgbroker_user"}
     install.downgrade(url, "base")
     assert _existing_roles(url) == {"pgbroker_reader"}
     members = _rows(

@@ -64,7 +64,7 @@ def _catalog(conn, login: str) -> tuple[set[str], set[str]]:
 
 def test_readme_role_table_is_complete():
     table = readme_role_table()
-    assert set(table) == {"pgbroker_reader", "pgbroker_broker", "pgbroker_admin", "PUBLIC"}
+    assert set(table) == {"pgbroker_reader", "pgbroker_broker", "pgbroker_user", "pgbroker_admin", "PUBLIC"}
     assert "broker_claim" in table["pgbroker_admin"][0] and "brokers" in table["pgbroker_admin"][1]
 
 

@@ -4,6 +4,10 @@ SELECT pgbroker.unwatch(relid::regclass) FROM pgbroker.watched WHERE to_regclass
 DELETE FROM pgbroker.watched;
 SELECT pgbroker._set_database_search_path(false);
 
+DROP VIEW pgbroker.counters;
+DROP VIEW pgbroker.kv;
+DROP VIEW pgbroker.semaphores;
+DROP VIEW pgbroker.locks;
 DROP VIEW pgbroker.clients;
 DROP VIEW pgbroker.outbox_pending;
 DROP VIEW pgbroker.subscriptions;
@@ -11,6 +15,26 @@ DROP VIEW pgbroker.watched_tables;
 DROP VIEW pgbroker.broker_state;
 DROP VIEW pgbroker.lease_history;
 DROP VIEW pgbroker.brokers;
+DROP FUNCTION pgbroker.counter_set(text, bigint, bigint);
+DROP FUNCTION pgbroker.counter_get(text);
+DROP FUNCTION pgbroker.counter_add(text, bigint);
+DROP TABLE pgbroker.counter;
+DROP FUNCTION pgbroker.kv_delete(text, bigint);
+DROP FUNCTION pgbroker.kv_set(text, jsonb, bigint, interval);
+DROP FUNCTION pgbroker.kv_get(text);
+DROP FUNCTION pgbroker.kv_channel();
+DROP SEQUENCE pgbroker.kv_version_seq;
+DROP TABLE pgbroker.kv_entry;
+DROP FUNCTION pgbroker.semaphore_release(text);
+DROP FUNCTION pgbroker.semaphore_acquire(text, integer, interval);
+DROP FUNCTION pgbroker.semaphore_channel(text);
+DROP FUNCTION pgbroker._semaphore_keys(text, integer, interval);
+DROP TABLE pgbroker.semaphore_permit;
+DROP FUNCTION pgbroker.lock_release(text, boolean);
+DROP FUNCTION pgbroker.lock_acquire(text, interval, boolean, boolean);
+DROP FUNCTION pgbroker._lock_key(text, interval);
+DROP FUNCTION pgbroker._check_key(text, text);
+DROP TABLE pgbroker.lock_name;
 DROP FUNCTION pgbroker.unwatch(regclass);
 DROP FUNCTION pgbroker.watch(regclass);
 DROP FUNCTION pgbroker._watch_drop_triggers(pgbroker.watched);
@@ -78,7 +102,7 @@ DROP FUNCTION pgbroker._my_backend_start();
 DROP FUNCTION pgbroker._lock_class();
 DROP FUNCTION pgbroker.schema_version();
 
-REVOKE ALL ON SCHEMA pgbroker FROM PUBLIC, pgbroker_broker, pgbroker_reader, pgbroker_admin;
+REVOKE ALL ON SCHEMA pgbroker FROM PUBLIC, pgbroker_broker, pgbroker_reader, pgbroker_user, pgbroker_admin;
 DO $roles$
 DECLARE
     v_role name;

@@ -48,7 +48,7 @@ DO $roles$
 DECLARE
     v_role text;
 BEGIN
-    FOREACH v_role IN ARRAY ARRAY['pgbroker_broker', 'pgbroker_reader', 'pgbroker_admin'] LOOP
+    FOREACH v_role IN ARRAY ARRAY['pgbroker_broker', 'pgbroker_reader', 'pgbroker_user', 'pgbroker_admin'] LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = v_role) THEN
             EXECUTE format('CREATE ROLE %I NOLOGIN', v_role);
             INSERT INTO pgbroker.installed (kind, object) VALUES ('role', v_role);
@@ -2208,6 +2208,544 @@ $$;
 COMMENT ON FUNCTION pgbroker.unwatch(regclass) IS
     'Admin: remove the pgbroker triggers from TABLE, with its subscriptions and pending notifications; false when it was not watched.';
 
+-- ===== sql/650_locks.sql =====
+
+-- pgbroker: named locks.
+--
+-- A named lock is a PostgreSQL advisory lock in the two-int4 form
+-- (class 'pgbl', key), where key is the name's number in pgbroker.lock_name:
+-- names are registered, never hashed, so two names never share a lock, and
+-- the two-int4 form never meets other code's single-bigint advisory locks
+-- (nor the lease's class 'pgbr').  Session-scoped locks die with their
+-- session (crash-safe); transaction-scoped ones end with the transaction and
+-- work through a pooler in transaction mode.  Locks stack as PostgreSQL's
+-- advisory locks do: a session that acquires a lock twice holds it until it
+-- has released it twice.
+
+CREATE TABLE pgbroker.lock_name (
+    name text PRIMARY KEY,
+    key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT lock_name_key_unique UNIQUE,
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp()
+);
+COMMENT ON TABLE pgbroker.lock_name IS
+    'Names of named locks and their advisory lock keys, registered at first use. Internal: read the view pgbroker.locks.';
+COMMENT ON COLUMN pgbroker.lock_name.name IS 'The lock name, verbatim (1 to 200 bytes).';
+COMMENT ON COLUMN pgbroker.lock_name.key IS 'Second key of its advisory lock (the first is 1885823596, ''pgbl'').';
+COMMENT ON COLUMN pgbroker.lock_name.created_at IS 'When the name was first used.';
+
+-- Names and keys of the primitives: 1 to 200 bytes of any text.
+CREATE FUNCTION pgbroker._check_key(p_value text, p_what text)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF p_value IS NULL OR p_value = '' OR octet_length(p_value) > 200 THEN
+        RAISE EXCEPTION '% must be 1 to 200 bytes, got %', p_what,
+                        CASE WHEN p_value IS NULL THEN 'NULL' ELSE octet_length(p_value) || ' bytes' END
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN p_value;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._check_key(text, text) IS
+    'Internal: validate the name of a lock, semaphore or counter, or a key of the key-value store (22023 unless 1 to 200 bytes).';
+
+-- The lock key of a name, registering it at first use.  The registration is
+-- a row insert: while another session's open transaction registers the same
+-- name, the insert waits for that transaction, at most p_wait (1 ms for
+-- '0'); NULL when that ran out (the caller then reports "not acquired").
+CREATE FUNCTION pgbroker._lock_key(p_name text, p_wait interval)
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key integer;
+    v_timeout text;
+BEGIN
+    SELECT key INTO v_key FROM pgbroker.lock_name WHERE name = p_name;
+    IF FOUND THEN
+        RETURN v_key;
+    END IF;
+    v_timeout := current_setting('lock_timeout');
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        INSERT INTO pgbroker.lock_name (name) VALUES (p_name) ON CONFLICT (name) DO NOTHING RETURNING key INTO v_key;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', v_timeout, true);
+        RETURN NULL;
+    END;
+    IF v_key IS NULL THEN
+        SELECT key INTO v_key FROM pgbroker.lock_name WHERE name = p_name;
+    END IF;
+    RETURN v_key;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lock_key(text, interval) IS
+    'Internal: the advisory lock key of name p_name, registered at first use (waiting at most p_wait for a concurrent registration; NULL when that ran out).';
+
+CREATE FUNCTION pgbroker.lock_acquire(name text, wait interval DEFAULT NULL, shared boolean DEFAULT false,
+                                      xact boolean DEFAULT false)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(lock_acquire.name, 'lock name');
+    v_ms text := pgbroker._wait_ms(lock_acquire.wait);   -- 22023 when negative
+    v_key integer;
+    v_timeout text;
+BEGIN
+    IF lock_acquire.shared IS NULL OR lock_acquire.xact IS NULL THEN
+        RAISE EXCEPTION 'shared and xact must not be NULL' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_key := pgbroker._lock_key(v_name, lock_acquire.wait);
+    IF v_key IS NULL THEN
+        RETURN false;
+    END IF;
+    IF lock_acquire.wait = '0'::interval THEN
+        RETURN CASE WHEN lock_acquire.xact THEN
+                        CASE WHEN lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(1885823596, v_key)
+                             ELSE pg_try_advisory_xact_lock(1885823596, v_key) END
+                    ELSE
+                        CASE WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(1885823596, v_key)
+                             ELSE pg_try_advisory_lock(1885823596, v_key) END
+               END;
+    END IF;
+    v_timeout := current_setting('lock_timeout');
+    BEGIN
+        PERFORM set_config('lock_timeout', v_ms, true);
+        IF lock_acquire.xact THEN
+            IF lock_acquire.shared THEN
+                PERFORM pg_advisory_xact_lock_shared(1885823596, v_key);
+            ELSE
+                PERFORM pg_advisory_xact_lock(1885823596, v_key);
+            END IF;
+        ELSIF lock_acquire.shared THEN
+            PERFORM pg_advisory_lock_shared(1885823596, v_key);
+        ELSE
+            PERFORM pg_advisory_lock(1885823596, v_key);
+        END IF;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', v_timeout, true);
+        RETURN false;
+    END;
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.lock_acquire(text, interval, boolean, boolean) IS
+$$Acquire the named lock NAME (1 to 200 bytes, any text; 22023 otherwise): exclusive, or shared with SHARED => true.
+WAIT: '0' tries once and never blocks; an interval waits up to that long; NULL (the default) waits as long as it takes; negative: 22023.
+Returns true when acquired, false when WAIT ran out (a name first used inside another session's open transaction counts as busy until that transaction ends).
+Session scope by default: held until lock_release() or the session ends (a crashed holder's lock is freed at once).
+XACT => true: released at commit or rollback (works through a pooler in transaction mode).
+Locks stack as PostgreSQL advisory locks do: acquired twice, held until released twice.$$;
+
+CREATE FUNCTION pgbroker.lock_release(name text, shared boolean DEFAULT false)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(lock_release.name, 'lock name');
+    v_key integer;
+BEGIN
+    IF lock_release.shared IS NULL THEN
+        RAISE EXCEPTION 'shared must not be NULL' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT key INTO v_key FROM pgbroker.lock_name l WHERE l.name = v_name;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    RETURN CASE WHEN lock_release.shared THEN pg_advisory_unlock_shared(1885823596, v_key)
+                ELSE pg_advisory_unlock(1885823596, v_key) END;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.lock_release(text, boolean) IS
+$$Release one hold of the session-scoped lock NAME (shared when SHARED => true). Returns false, changing nothing, when this session does not hold it that way.
+Transaction-scoped locks cannot be released early: they end with their transaction (false here).$$;
+
+-- ===== sql/660_semaphores.sql =====
+
+-- pgbroker: counting semaphores.
+--
+-- A semaphore NAME with limit L has permits numbered 1..L; each permit is a
+-- session-level advisory lock (class 'pgbm', key), the key registered per
+-- (name, permit) in pgbroker.semaphore_permit.  A holder's permit is freed by
+-- the server the moment its session ends, so a crashed holder's permit comes
+-- back at once, with no sweeper.  A caller passing limit L competes for
+-- permits 1..L only: holders never outnumber the largest limit in use, and a
+-- caller with a smaller limit is granted a permit only while one of its
+-- first L is free.
+--
+-- Waiting.  semaphore_release() sends NOTIFY on semaphore_channel(name).  A
+-- client waits without polling by LISTENing on that channel *before* it
+-- tries (semaphore_acquire(..., wait => '0')), then waiting for a
+-- notification and trying again: a permit released between its failed try
+-- and its wait still reaches it, as the notification is queued for it.
+-- semaphore_acquire() with a WAIT cannot receive notifications inside one
+-- statement: it waits in the lock manager on one held permit at a time, in
+-- turn, for at most 100 ms each, trying every permit between two waits.
+
+CREATE TABLE pgbroker.semaphore_permit (
+    name text NOT NULL,
+    permit integer NOT NULL,
+    key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT semaphore_permit_key_unique UNIQUE,
+    PRIMARY KEY (name, permit)
+);
+COMMENT ON TABLE pgbroker.semaphore_permit IS
+    'The permits of each semaphore and their advisory lock keys, registered at first use. Internal: read the view pgbroker.semaphores.';
+COMMENT ON COLUMN pgbroker.semaphore_permit.name IS 'The semaphore name, verbatim (1 to 200 bytes).';
+COMMENT ON COLUMN pgbroker.semaphore_permit.permit IS 'Permit number, 1 to the largest limit used with this name.';
+COMMENT ON COLUMN pgbroker.semaphore_permit.key IS 'Second key of the permit''s advisory lock (the first is 1885823597, ''pgbm'').';
+
+-- The lock keys of permits 1..p_limit of semaphore p_name, registering the
+-- missing ones (waiting at most p_wait for a concurrent registration; NULL
+-- when that ran out).
+CREATE FUNCTION pgbroker._semaphore_keys(p_name text, p_limit integer, p_wait interval)
+RETURNS integer[]
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_keys integer[];
+    v_timeout text;
+BEGIN
+    SELECT array_agg(key ORDER BY permit) INTO v_keys
+      FROM pgbroker.semaphore_permit WHERE name = p_name AND permit <= p_limit;
+    IF cardinality(v_keys) = p_limit THEN
+        RETURN v_keys;
+    END IF;
+    v_timeout := current_setting('lock_timeout');
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        INSERT INTO pgbroker.semaphore_permit (name, permit)
+        SELECT p_name, g FROM generate_series(1, p_limit) AS g
+        ON CONFLICT (name, permit) DO NOTHING;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', v_timeout, true);
+        RETURN NULL;
+    END;
+    SELECT array_agg(key ORDER BY permit) INTO v_keys
+      FROM pgbroker.semaphore_permit WHERE name = p_name AND permit <= p_limit;
+    RETURN v_keys;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._semaphore_keys(text, integer, interval) IS
+    'Internal: the advisory lock keys of permits 1..p_limit of semaphore p_name, registered at first use (NULL when a concurrent registration outlasted p_wait).';
+
+-- The channel is named after a digest of the name: stable before the first
+-- acquire, at most 63 bytes whatever the name; two names that shared a digest
+-- would only wake each other's waiters for nothing.
+CREATE FUNCTION pgbroker.semaphore_channel(name text)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'pgbroker_semaphore_' || md5(pgbroker._check_key(semaphore_channel.name, 'semaphore name')) $$;
+COMMENT ON FUNCTION pgbroker.semaphore_channel(text) IS
+    'The channel semaphore_release(NAME) notifies (payload: the permit number): LISTEN on it before trying semaphore_acquire(NAME, limit, ''0''), then wait for a notification and try again.';
+
+CREATE FUNCTION pgbroker.semaphore_acquire(name text, "limit" integer, wait interval DEFAULT '0')
+RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(semaphore_acquire.name, 'semaphore name');
+    v_ms text := pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 when negative
+    v_keys integer[];
+    v_deadline timestamptz;
+    v_watch integer;
+    v_timeout text;
+BEGIN
+    IF semaphore_acquire."limit" IS NULL OR semaphore_acquire."limit" < 1 OR semaphore_acquire."limit" > 1000 THEN
+        RAISE EXCEPTION 'semaphore limit must be 1 to 1000, got %', coalesce(semaphore_acquire."limit"::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_keys := pgbroker._semaphore_keys(v_name, semaphore_acquire."limit", semaphore_acquire.wait);
+    IF v_keys IS NULL THEN
+        RETURN NULL;
+    END IF;
+    FOR i IN 1 .. semaphore_acquire."limit" LOOP
+        IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
+            RETURN i;
+        END IF;
+    END LOOP;
+    IF semaphore_acquire.wait = '0'::interval THEN
+        RETURN NULL;
+    END IF;
+    v_deadline := clock_timestamp() + semaphore_acquire.wait;   -- NULL: no deadline
+    v_watch := pg_backend_pid() % semaphore_acquire."limit";
+    v_timeout := current_setting('lock_timeout');
+    LOOP
+        EXIT WHEN clock_timestamp() >= v_deadline;
+        v_watch := v_watch % semaphore_acquire."limit" + 1;
+        BEGIN
+            PERFORM set_config('lock_timeout',
+                               pgbroker._wait_ms(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms')), true);
+            PERFORM pg_advisory_lock(1885823597, v_keys[v_watch]);
+            PERFORM set_config('lock_timeout', v_timeout, true);
+            RETURN v_watch;
+        EXCEPTION WHEN lock_not_available THEN
+            PERFORM set_config('lock_timeout', v_timeout, true);
+        END;
+        FOR i IN 1 .. semaphore_acquire."limit" LOOP
+            IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
+                RETURN i;
+            END IF;
+        END LOOP;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.semaphore_acquire(text, integer, interval) IS
+$$Take a permit of semaphore NAME, of which at most LIMIT (1 to 1000) are handed out, and return its number (1..LIMIT); NULL when WAIT ran out.
+Session scope: held until semaphore_release(NAME) or the session ends (a crashed holder's permit is free at once).
+WAIT: '0' (the default) tries once and never blocks; an interval waits up to that long; NULL waits as long as it takes; negative: 22023.
+Callers passing different limits: a caller with limit L competes for permits 1..L only. No order among waiters.
+To be woken at once by a release, LISTEN on semaphore_channel(NAME) and retry with WAIT '0' on each notification (see README).$$;
+
+CREATE FUNCTION pgbroker.semaphore_release(name text)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(semaphore_release.name, 'semaphore name');
+    v_permit pgbroker.semaphore_permit;
+BEGIN
+    -- The highest permit this session holds, so that low numbers stay in use.
+    FOR v_permit IN SELECT * FROM pgbroker.semaphore_permit p WHERE p.name = v_name ORDER BY p.permit DESC LOOP
+        IF pg_advisory_unlock(1885823597, v_permit.key) THEN
+            PERFORM pg_notify(pgbroker.semaphore_channel(v_name), v_permit.permit::text);
+            RETURN true;
+        END IF;
+    END LOOP;
+    RETURN false;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.semaphore_release(text) IS
+    'Give back a permit of semaphore NAME held by this session (its highest-numbered one) and NOTIFY semaphore_channel(NAME); false, changing nothing, when it holds none.';
+
+-- ===== sql/670_kv.sql =====
+
+-- pgbroker: a key-value store with versions, compare-and-set, expiry and watches.
+--
+-- Values are jsonb.  Every change (set or delete) takes a new version from
+-- one sequence, so a key's version grows on every change, also across a
+-- delete and a new set.  kv_set with a VERSION is a compare-and-set in one
+-- statement: it writes only when the key's current version equals VERSION
+-- (0: the key must not exist).  An expired key reads as absent.  Every change
+-- is announced with NOTIFY on the channel 'pgbroker_kv', payload
+-- {"key": ..., "version": ...} ("deleted": true for a delete), at commit.
+
+CREATE TABLE pgbroker.kv_entry (
+    key text PRIMARY KEY,
+    value jsonb NOT NULL,
+    version bigint NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    expires_at timestamptz
+);
+COMMENT ON TABLE pgbroker.kv_entry IS 'The key-value store. Internal: use kv_get(), kv_set(), kv_delete() and the view pgbroker.kv.';
+COMMENT ON COLUMN pgbroker.kv_entry.key IS 'The key, verbatim (1 to 200 bytes).';
+COMMENT ON COLUMN pgbroker.kv_entry.value IS 'Its value.';
+COMMENT ON COLUMN pgbroker.kv_entry.version IS 'Version of the last change (from pgbroker.kv_version_seq: grows on every change).';
+COMMENT ON COLUMN pgbroker.kv_entry.updated_at IS 'When it last changed.';
+COMMENT ON COLUMN pgbroker.kv_entry.expires_at IS 'When it expires (NULL: never); an expired entry reads as absent.';
+
+CREATE SEQUENCE pgbroker.kv_version_seq AS bigint;
+COMMENT ON SEQUENCE pgbroker.kv_version_seq IS 'Versions of the key-value store: every set and delete takes the next one.';
+
+CREATE FUNCTION pgbroker.kv_channel()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'pgbroker_kv'::text $$;
+COMMENT ON FUNCTION pgbroker.kv_channel() IS
+    'The channel every key-value change is announced on: pgbroker_kv, payload {"key": ..., "version": ...} ("deleted": true for a delete).';
+
+CREATE FUNCTION pgbroker.kv_get(key text)
+RETURNS TABLE (value jsonb, version bigint, expires_at timestamptz)
+LANGUAGE plpgsql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key text := pgbroker._check_key(kv_get.key, 'key');
+BEGIN
+    RETURN QUERY
+    SELECT e.value, e.version, e.expires_at FROM pgbroker.kv_entry e
+     WHERE e.key = v_key
+       AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp());
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_get(text) IS
+    'The value, version and expiry of KEY (1 to 200 bytes); no row when it is absent or expired.';
+
+CREATE FUNCTION pgbroker.kv_set(key text, value jsonb, version bigint DEFAULT NULL, ttl interval DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key text := pgbroker._check_key(kv_set.key, 'key');
+    v_now timestamptz := clock_timestamp();
+    v_expires timestamptz;
+    v_new bigint;
+BEGIN
+    IF kv_set.value IS NULL THEN
+        RAISE EXCEPTION 'value must not be NULL (use kv_delete, or the JSON null ''null''::jsonb)'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF kv_set.ttl IS NOT NULL AND kv_set.ttl <= '0'::interval THEN
+        RAISE EXCEPTION 'ttl must be positive, got %', kv_set.ttl USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF kv_set.version < 0 THEN
+        RAISE EXCEPTION 'version must not be negative, got %', kv_set.version USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_expires := v_now + kv_set.ttl;
+    IF kv_set.version IS NULL OR kv_set.version = 0 THEN
+        -- Plain set, or "must not exist" (an expired entry counts as absent).
+        INSERT INTO pgbroker.kv_entry AS e (key, value, version, updated_at, expires_at)
+        VALUES (v_key, kv_set.value, nextval('pgbroker.kv_version_seq'), v_now, v_expires)
+        ON CONFLICT ON CONSTRAINT kv_entry_pkey DO UPDATE
+           SET value = excluded.value, version = excluded.version, updated_at = excluded.updated_at,
+               expires_at = excluded.expires_at
+         WHERE kv_set.version IS NULL OR e.expires_at <= v_now
+        RETURNING e.version INTO v_new;
+    ELSE
+        UPDATE pgbroker.kv_entry AS e
+           SET value = kv_set.value, version = nextval('pgbroker.kv_version_seq'), updated_at = v_now,
+               expires_at = v_expires
+         WHERE e.key = v_key AND e.version = kv_set.version AND (e.expires_at IS NULL OR e.expires_at > v_now)
+        RETURNING e.version INTO v_new;
+    END IF;
+    IF v_new IS NOT NULL THEN
+        PERFORM pg_notify('pgbroker_kv', json_build_object('key', v_key, 'version', v_new)::text);
+    END IF;
+    RETURN v_new;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_set(text, jsonb, bigint, interval) IS
+$$Set KEY (1 to 200 bytes) to VALUE (jsonb, not NULL) and return the new version; TTL (positive) makes it expire that long from now.
+With VERSION it is a compare-and-set: it writes only when the current version of KEY is VERSION (0: KEY must be absent or expired) and returns NULL otherwise, changing nothing.
+Announces the change on kv_channel() at commit.$$;
+
+CREATE FUNCTION pgbroker.kv_delete(key text, version bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key text := pgbroker._check_key(kv_delete.key, 'key');
+    v_now timestamptz := clock_timestamp();
+    v_live boolean;
+BEGIN
+    DELETE FROM pgbroker.kv_entry e
+     WHERE e.key = v_key AND (kv_delete.version IS NULL OR e.version = kv_delete.version)
+    RETURNING e.expires_at IS NULL OR e.expires_at > v_now INTO v_live;
+    IF v_live THEN
+        PERFORM pg_notify('pgbroker_kv', json_build_object('key', v_key, 'version', nextval('pgbroker.kv_version_seq'),
+                                                           'deleted', true)::text);
+    END IF;
+    RETURN coalesce(v_live, false);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_delete(text, bigint) IS
+    'Delete KEY; with VERSION only when that is its current version. True when a live entry was deleted (and announced on kv_channel()); false, changing nothing visible, otherwise.';
+
+-- ===== sql/680_counters.sql =====
+
+-- pgbroker: atomic counters.
+--
+-- One row per counter; every change is one INSERT ... ON CONFLICT DO UPDATE
+-- statement, which PostgreSQL makes atomic under any number of concurrent
+-- callers (the row lock serialises them and the update re-reads the row).
+
+CREATE TABLE pgbroker.counter (
+    name text PRIMARY KEY,
+    value bigint NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp()
+);
+COMMENT ON TABLE pgbroker.counter IS 'Atomic counters. Internal: use counter_add(), counter_get(), counter_set() and the view pgbroker.counters.';
+COMMENT ON COLUMN pgbroker.counter.name IS 'The counter name, verbatim (1 to 200 bytes).';
+COMMENT ON COLUMN pgbroker.counter.value IS 'Its value (an absent counter reads as 0).';
+COMMENT ON COLUMN pgbroker.counter.updated_at IS 'When it last changed.';
+
+CREATE FUNCTION pgbroker.counter_add(name text, delta bigint DEFAULT 1)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_value bigint;
+BEGIN
+    IF counter_add.delta IS NULL THEN
+        RAISE EXCEPTION 'delta must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    INSERT INTO pgbroker.counter AS c (name, value)
+    VALUES (pgbroker._check_key(counter_add.name, 'counter name'), counter_add.delta)
+    ON CONFLICT ON CONSTRAINT counter_pkey
+    DO UPDATE SET value = c.value + excluded.value, updated_at = clock_timestamp()
+    RETURNING c.value INTO v_value;
+    RETURN v_value;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.counter_add(text, bigint) IS
+    'Add DELTA (default 1, may be negative) to counter NAME (created at 0) in one atomic statement and return the new value; 22003 when it would leave the bigint range.';
+
+CREATE FUNCTION pgbroker.counter_get(name text)
+RETURNS bigint
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT coalesce((SELECT c.value FROM pgbroker.counter c
+                      WHERE c.name = pgbroker._check_key(counter_get.name, 'counter name')), 0)
+$$;
+COMMENT ON FUNCTION pgbroker.counter_get(text) IS 'The value of counter NAME; 0 when it does not exist.';
+
+CREATE FUNCTION pgbroker.counter_set(name text, value bigint, expected bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(counter_set.name, 'counter name');
+BEGIN
+    IF counter_set.value IS NULL THEN
+        RAISE EXCEPTION 'value must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF counter_set.expected IS NULL OR counter_set.expected = 0 THEN
+        -- Unconditional, or "currently 0", which an absent counter is too.
+        INSERT INTO pgbroker.counter AS c (name, value) VALUES (v_name, counter_set.value)
+        ON CONFLICT ON CONSTRAINT counter_pkey
+        DO UPDATE SET value = excluded.value, updated_at = clock_timestamp()
+         WHERE counter_set.expected IS NULL OR c.value = 0;
+    ELSE
+        UPDATE pgbroker.counter c SET value = counter_set.value, updated_at = clock_timestamp()
+         WHERE c.name = v_name AND c.value = counter_set.expected;
+    END IF;
+    RETURN FOUND;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.counter_set(text, bigint, bigint) IS
+    'Set counter NAME to VALUE and return true; with EXPECTED only when its current value is EXPECTED (an absent counter is 0): false, changing nothing, otherwise.';
+
 -- ===== sql/700_views.sql =====
 
 -- pgbroker: the views, the read-only interface for operators, frontends and
@@ -2335,17 +2873,96 @@ COMMENT ON COLUMN pgbroker.clients.registered_at IS 'When it was registered.';
 COMMENT ON COLUMN pgbroker.clients.updated_at IS 'When its info last changed.';
 COMMENT ON COLUMN pgbroker.clients.subscriptions IS 'How many subscriptions it has.';
 
+-- ---------------------------------------------------------------------------
+-- The coordination primitives.  pg_stat_activity shows other roles' sessions
+-- (application_name, ...) only to roles with pg_read_all_stats: without it,
+-- application is NULL for them.
+
+CREATE VIEW pgbroker.locks AS
+SELECT n.name,
+       CASE WHEN l.mode = 'ExclusiveLock' THEN 'exclusive' ELSE 'shared' END AS mode,
+       l.pid AS holder_pid,
+       a.application_name AS application,
+       a.backend_start AS holder_since,
+       (SELECT count(*) FROM pg_catalog.pg_locks w
+         WHERE w.locktype = 'advisory' AND NOT w.granted AND w.database = l.database
+           AND w.classid = l.classid AND w.objid = l.objid AND w.objsubid = 2)::integer AS waiting,
+       (SELECT min(w.waitstart) FROM pg_catalog.pg_locks w
+         WHERE w.locktype = 'advisory' AND NOT w.granted AND w.database = l.database
+           AND w.classid = l.classid AND w.objid = l.objid AND w.objsubid = 2) AS waiting_since
+  FROM pg_catalog.pg_locks l
+  JOIN pgbroker.lock_name n ON n.key = l.objid::integer
+  LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+   AND l.classid = 1885823596::oid   -- named locks ('pgbl')
+   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
+COMMENT ON VIEW pgbroker.locks IS 'Named locks held now: one row per holder and mode, with how many sessions wait for the lock.';
+COMMENT ON COLUMN pgbroker.locks.name IS 'Lock name.';
+COMMENT ON COLUMN pgbroker.locks.mode IS 'exclusive or shared.';
+COMMENT ON COLUMN pgbroker.locks.holder_pid IS 'Backend pid of a holder.';
+COMMENT ON COLUMN pgbroker.locks.application IS 'Its application_name (NULL for other roles'' sessions without pg_read_all_stats).';
+COMMENT ON COLUMN pgbroker.locks.holder_since IS 'When the holder''s session started (PostgreSQL does not record when an advisory lock was granted).';
+COMMENT ON COLUMN pgbroker.locks.waiting IS 'Sessions blocked in lock_acquire() for this lock.';
+COMMENT ON COLUMN pgbroker.locks.waiting_since IS 'Since when the longest of them has waited.';
+
+CREATE VIEW pgbroker.semaphores AS
+SELECT p.name,
+       max(p.permit) AS permits,
+       count(l.pid)::integer AS held,
+       array_agg(l.pid ORDER BY p.permit) FILTER (WHERE l.pid IS NOT NULL) AS holders,
+       (SELECT count(DISTINCT w.pid) FROM pg_catalog.pg_locks w
+          JOIN pgbroker.semaphore_permit q ON q.key = w.objid::integer AND q.name = p.name
+         WHERE w.locktype = 'advisory' AND NOT w.granted AND w.objsubid = 2
+           AND w.classid = 1885823597::oid
+           AND w.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+       )::integer AS waiting
+  FROM pgbroker.semaphore_permit p
+  LEFT JOIN pg_catalog.pg_locks l
+    ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+   AND l.classid = 1885823597::oid   -- semaphore permits ('pgbm')
+   AND l.objid = p.key::oid
+   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+ GROUP BY p.name;
+COMMENT ON VIEW pgbroker.semaphores IS 'Semaphores: how many permits exist, how many are held and by whom.';
+COMMENT ON COLUMN pgbroker.semaphores.name IS 'Semaphore name.';
+COMMENT ON COLUMN pgbroker.semaphores.permits IS 'The largest limit it has been used with.';
+COMMENT ON COLUMN pgbroker.semaphores.held IS 'Permits held now.';
+COMMENT ON COLUMN pgbroker.semaphores.holders IS 'Backend pids of the holders, by permit number.';
+COMMENT ON COLUMN pgbroker.semaphores.waiting IS 'Sessions blocked in semaphore_acquire() (waiters that LISTEN are not counted).';
+
+CREATE VIEW pgbroker.kv AS
+SELECT e.key, e.version, e.updated_at, e.expires_at,
+       CASE WHEN pg_catalog.pg_has_role(current_user, 'pgbroker_user', 'MEMBER') THEN e.value END AS value
+  FROM pgbroker.kv_entry e
+ WHERE e.expires_at IS NULL OR e.expires_at > pg_catalog.clock_timestamp();
+COMMENT ON VIEW pgbroker.kv IS 'Live entries of the key-value store; values only to members of pgbroker_user.';
+COMMENT ON COLUMN pgbroker.kv.key IS 'The key.';
+COMMENT ON COLUMN pgbroker.kv.version IS 'Version of its last change.';
+COMMENT ON COLUMN pgbroker.kv.updated_at IS 'When it last changed.';
+COMMENT ON COLUMN pgbroker.kv.expires_at IS 'When it expires (NULL: never).';
+COMMENT ON COLUMN pgbroker.kv.value IS 'Its value, for members of pgbroker_user (NULL for other readers).';
+
+CREATE VIEW pgbroker.counters AS
+SELECT c.name, c.value, c.updated_at FROM pgbroker.counter c;
+COMMENT ON VIEW pgbroker.counters IS 'Atomic counters and their values.';
+COMMENT ON COLUMN pgbroker.counters.name IS 'Counter name.';
+COMMENT ON COLUMN pgbroker.counters.value IS 'Its value.';
+COMMENT ON COLUMN pgbroker.counters.updated_at IS 'When it last changed.';
+
 -- ===== sql/900_privileges.sql =====
 
 -- pgbroker: who may do what, in one place.
 --
 -- PUBLIC gets USAGE on the schema and nothing else but schema_version(), so
 -- that a role without pgbroker rights that calls a function is told it lacks
--- the right to, rather than that the function does not exist.  Three NOLOGIN
+-- the right to, rather than that the function does not exist.  Four NOLOGIN
 -- roles (created in 000_schema.sql) are granted to the user's login roles:
 --   pgbroker_reader  SELECT on the views, broker_alive()
 --   pgbroker_broker  the lease, broker state, clients, subscriptions, delivery
---   pgbroker_admin   both, plus takeover => true, watch, unwatch, pruning
+--   pgbroker_user    the coordination primitives: locks, semaphores, the
+--                    key-value store, counters (workers that use them need
+--                    no power over the lease, such as stale takeovers)
+--   pgbroker_admin   all three, plus takeover => true, watch, unwatch, pruning
 -- Tables and internal (_-prefixed) functions are never granted: the API
 -- functions (SECURITY DEFINER, search_path pinned) and the views are the
 -- interface.  A test compares what each role may execute with the README.
@@ -2360,7 +2977,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgbroker FROM PUBLIC;
 GRANT USAGE ON SCHEMA pgbroker TO PUBLIC;
 GRANT EXECUTE ON FUNCTION pgbroker.schema_version() TO PUBLIC;
 
-GRANT pgbroker_broker, pgbroker_reader TO pgbroker_admin;
+GRANT pgbroker_broker, pgbroker_reader, pgbroker_user TO pgbroker_admin;
 
 -- Readers: the views.
 GRANT SELECT ON
@@ -2370,7 +2987,11 @@ GRANT SELECT ON
     pgbroker.clients,
     pgbroker.subscriptions,
     pgbroker.watched_tables,
-    pgbroker.outbox_pending
+    pgbroker.outbox_pending,
+    pgbroker.locks,
+    pgbroker.semaphores,
+    pgbroker.kv,
+    pgbroker.counters
 TO pgbroker_reader;
 GRANT EXECUTE ON FUNCTION
     pgbroker.broker_alive(text)
@@ -2396,6 +3017,22 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_sleep(text, interval),
     pgbroker.wakeup_channel(text)
 TO pgbroker_broker;
+
+-- Users: the coordination primitives.
+GRANT EXECUTE ON FUNCTION
+    pgbroker.lock_acquire(text, interval, boolean, boolean),
+    pgbroker.lock_release(text, boolean),
+    pgbroker.semaphore_acquire(text, integer, interval),
+    pgbroker.semaphore_release(text),
+    pgbroker.semaphore_channel(text),
+    pgbroker.kv_get(text),
+    pgbroker.kv_set(text, jsonb, bigint, interval),
+    pgbroker.kv_delete(text, bigint),
+    pgbroker.kv_channel(),
+    pgbroker.counter_add(text, bigint),
+    pgbroker.counter_get(text),
+    pgbroker.counter_set(text, bigint, bigint)
+TO pgbroker_user;
 
 -- Admins: watching tables and housekeeping (takeover => true is checked by
 -- broker_claim itself: the login role must be a member of pgbroker_admin).

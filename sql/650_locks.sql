@@ -1,0 +1,160 @@
+-- pgbroker: named locks.
+--
+-- A named lock is a PostgreSQL advisory lock in the two-int4 form
+-- (class 'pgbl', key), where key is the name's number in pgbroker.lock_name:
+-- names are registered, never hashed, so two names never share a lock, and
+-- the two-int4 form never meets other code's single-bigint advisory locks
+-- (nor the lease's class 'pgbr').  Session-scoped locks die with their
+-- session (crash-safe); transaction-scoped ones end with the transaction and
+-- work through a pooler in transaction mode.  Locks stack as PostgreSQL's
+-- advisory locks do: a session that acquires a lock twice holds it until it
+-- has released it twice.
+
+CREATE TABLE pgbroker.lock_name (
+    name text PRIMARY KEY,
+    key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT lock_name_key_unique UNIQUE,
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp()
+);
+COMMENT ON TABLE pgbroker.lock_name IS
+    'Names of named locks and their advisory lock keys, registered at first use. Internal: read the view pgbroker.locks.';
+COMMENT ON COLUMN pgbroker.lock_name.name IS 'The lock name, verbatim (1 to 200 bytes).';
+COMMENT ON COLUMN pgbroker.lock_name.key IS 'Second key of its advisory lock (the first is 1885823596, ''pgbl'').';
+COMMENT ON COLUMN pgbroker.lock_name.created_at IS 'When the name was first used.';
+
+-- Names and keys of the primitives: 1 to 200 bytes of any text.
+CREATE FUNCTION pgbroker._check_key(p_value text, p_what text)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF p_value IS NULL OR p_value = '' OR octet_length(p_value) > 200 THEN
+        RAISE EXCEPTION '% must be 1 to 200 bytes, got %', p_what,
+                        CASE WHEN p_value IS NULL THEN 'NULL' ELSE octet_length(p_value) || ' bytes' END
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN p_value;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._check_key(text, text) IS
+    'Internal: validate the name of a lock, semaphore or counter, or a key of the key-value store (22023 unless 1 to 200 bytes).';
+
+-- The lock key of a name, registering it at first use.  The registration is
+-- a row insert: while another session's open transaction registers the same
+-- name, the insert waits for that transaction, at most p_wait (1 ms for
+-- '0'); NULL when that ran out (the caller then reports "not acquired").
+CREATE FUNCTION pgbroker._lock_key(p_name text, p_wait interval)
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key integer;
+    v_timeout text;
+BEGIN
+    SELECT key INTO v_key FROM pgbroker.lock_name WHERE name = p_name;
+    IF FOUND THEN
+        RETURN v_key;
+    END IF;
+    v_timeout := current_setting('lock_timeout');
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        INSERT INTO pgbroker.lock_name (name) VALUES (p_name) ON CONFLICT (name) DO NOTHING RETURNING key INTO v_key;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', v_timeout, true);
+        RETURN NULL;
+    END;
+    IF v_key IS NULL THEN
+        SELECT key INTO v_key FROM pgbroker.lock_name WHERE name = p_name;
+    END IF;
+    RETURN v_key;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lock_key(text, interval) IS
+    'Internal: the advisory lock key of name p_name, registered at first use (waiting at most p_wait for a concurrent registration; NULL when that ran out).';
+
+CREATE FUNCTION pgbroker.lock_acquire(name text, wait interval DEFAULT NULL, shared boolean DEFAULT false,
+                                      xact boolean DEFAULT false)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(lock_acquire.name, 'lock name');
+    v_ms text := pgbroker._wait_ms(lock_acquire.wait);   -- 22023 when negative
+    v_key integer;
+    v_timeout text;
+BEGIN
+    IF lock_acquire.shared IS NULL OR lock_acquire.xact IS NULL THEN
+        RAISE EXCEPTION 'shared and xact must not be NULL' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_key := pgbroker._lock_key(v_name, lock_acquire.wait);
+    IF v_key IS NULL THEN
+        RETURN false;
+    END IF;
+    IF lock_acquire.wait = '0'::interval THEN
+        RETURN CASE WHEN lock_acquire.xact THEN
+                        CASE WHEN lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(1885823596, v_key)
+                             ELSE pg_try_advisory_xact_lock(1885823596, v_key) END
+                    ELSE
+                        CASE WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(1885823596, v_key)
+                             ELSE pg_try_advisory_lock(1885823596, v_key) END
+               END;
+    END IF;
+    v_timeout := current_setting('lock_timeout');
+    BEGIN
+        PERFORM set_config('lock_timeout', v_ms, true);
+        IF lock_acquire.xact THEN
+            IF lock_acquire.shared THEN
+                PERFORM pg_advisory_xact_lock_shared(1885823596, v_key);
+            ELSE
+                PERFORM pg_advisory_xact_lock(1885823596, v_key);
+            END IF;
+        ELSIF lock_acquire.shared THEN
+            PERFORM pg_advisory_lock_shared(1885823596, v_key);
+        ELSE
+            PERFORM pg_advisory_lock(1885823596, v_key);
+        END IF;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', v_timeout, true);
+        RETURN false;
+    END;
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.lock_acquire(text, interval, boolean, boolean) IS
+$$Acquire the named lock NAME (1 to 200 bytes, any text; 22023 otherwise): exclusive, or shared with SHARED => true.
+WAIT: '0' tries once and never blocks; an interval waits up to that long; NULL (the default) waits as long as it takes; negative: 22023.
+Returns true when acquired, false when WAIT ran out (a name first used inside another session's open transaction counts as busy until that transaction ends).
+Session scope by default: held until lock_release() or the session ends (a crashed holder's lock is freed at once).
+XACT => true: released at commit or rollback (works through a pooler in transaction mode).
+Locks stack as PostgreSQL advisory locks do: acquired twice, held until released twice.$$;
+
+CREATE FUNCTION pgbroker.lock_release(name text, shared boolean DEFAULT false)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(lock_release.name, 'lock name');
+    v_key integer;
+BEGIN
+    IF lock_release.shared IS NULL THEN
+        RAISE EXCEPTION 'shared must not be NULL' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT key INTO v_key FROM pgbroker.lock_name l WHERE l.name = v_name;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    RETURN CASE WHEN lock_release.shared THEN pg_advisory_unlock_shared(1885823596, v_key)
+                ELSE pg_advisory_unlock(1885823596, v_key) END;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.lock_release(text, boolean) IS
+$$Release one hold of the session-scoped lock NAME (shared when SHARED => true). Returns false, changing nothing, when this session does not hold it that way.
+Transaction-scoped locks cannot be released early: they end with their transaction (false here).$$;

@@ -1,0 +1,163 @@
+-- pgbroker: counting semaphores.
+--
+-- A semaphore NAME with limit L has permits numbered 1..L; each permit is a
+-- session-level advisory lock (class 'pgbm', key), the key registered per
+-- (name, permit) in pgbroker.semaphore_permit.  A holder's permit is freed by
+-- the server the moment its session ends, so a crashed holder's permit comes
+-- back at once, with no sweeper.  A caller passing limit L competes for
+-- permits 1..L only: holders never outnumber the largest limit in use, and a
+-- caller with a smaller limit is granted a permit only while one of its
+-- first L is free.
+--
+-- Waiting.  semaphore_release() sends NOTIFY on semaphore_channel(name).  A
+-- client waits without polling by LISTENing on that channel *before* it
+-- tries (semaphore_acquire(..., wait => '0')), then waiting for a
+-- notification and trying again: a permit released between its failed try
+-- and its wait still reaches it, as the notification is queued for it.
+-- semaphore_acquire() with a WAIT cannot receive notifications inside one
+-- statement: it waits in the lock manager on one held permit at a time, in
+-- turn, for at most 100 ms each, trying every permit between two waits.
+
+CREATE TABLE pgbroker.semaphore_permit (
+    name text NOT NULL,
+    permit integer NOT NULL,
+    key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT semaphore_permit_key_unique UNIQUE,
+    PRIMARY KEY (name, permit)
+);
+COMMENT ON TABLE pgbroker.semaphore_permit IS
+    'The permits of each semaphore and their advisory lock keys, registered at first use. Internal: read the view pgbroker.semaphores.';
+COMMENT ON COLUMN pgbroker.semaphore_permit.name IS 'The semaphore name, verbatim (1 to 200 bytes).';
+COMMENT ON COLUMN pgbroker.semaphore_permit.permit IS 'Permit number, 1 to the largest limit used with this name.';
+COMMENT ON COLUMN pgbroker.semaphore_permit.key IS 'Second key of the permit''s advisory lock (the first is 1885823597, ''pgbm'').';
+
+-- The lock keys of permits 1..p_limit of semaphore p_name, registering the
+-- missing ones (waiting at most p_wait for a concurrent registration; NULL
+-- when that ran out).
+CREATE FUNCTION pgbroker._semaphore_keys(p_name text, p_limit integer, p_wait interval)
+RETURNS integer[]
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_keys integer[];
+    v_timeout text;
+BEGIN
+    SELECT array_agg(key ORDER BY permit) INTO v_keys
+      FROM pgbroker.semaphore_permit WHERE name = p_name AND permit <= p_limit;
+    IF cardinality(v_keys) = p_limit THEN
+        RETURN v_keys;
+    END IF;
+    v_timeout := current_setting('lock_timeout');
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        INSERT INTO pgbroker.semaphore_permit (name, permit)
+        SELECT p_name, g FROM generate_series(1, p_limit) AS g
+        ON CONFLICT (name, permit) DO NOTHING;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', v_timeout, true);
+        RETURN NULL;
+    END;
+    SELECT array_agg(key ORDER BY permit) INTO v_keys
+      FROM pgbroker.semaphore_permit WHERE name = p_name AND permit <= p_limit;
+    RETURN v_keys;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._semaphore_keys(text, integer, interval) IS
+    'Internal: the advisory lock keys of permits 1..p_limit of semaphore p_name, registered at first use (NULL when a concurrent registration outlasted p_wait).';
+
+-- The channel is named after a digest of the name: stable before the first
+-- acquire, at most 63 bytes whatever the name; two names that shared a digest
+-- would only wake each other's waiters for nothing.
+CREATE FUNCTION pgbroker.semaphore_channel(name text)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'pgbroker_semaphore_' || md5(pgbroker._check_key(semaphore_channel.name, 'semaphore name')) $$;
+COMMENT ON FUNCTION pgbroker.semaphore_channel(text) IS
+    'The channel semaphore_release(NAME) notifies (payload: the permit number): LISTEN on it before trying semaphore_acquire(NAME, limit, ''0''), then wait for a notification and try again.';
+
+CREATE FUNCTION pgbroker.semaphore_acquire(name text, "limit" integer, wait interval DEFAULT '0')
+RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(semaphore_acquire.name, 'semaphore name');
+    v_ms text := pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 when negative
+    v_keys integer[];
+    v_deadline timestamptz;
+    v_watch integer;
+    v_timeout text;
+BEGIN
+    IF semaphore_acquire."limit" IS NULL OR semaphore_acquire."limit" < 1 OR semaphore_acquire."limit" > 1000 THEN
+        RAISE EXCEPTION 'semaphore limit must be 1 to 1000, got %', coalesce(semaphore_acquire."limit"::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_keys := pgbroker._semaphore_keys(v_name, semaphore_acquire."limit", semaphore_acquire.wait);
+    IF v_keys IS NULL THEN
+        RETURN NULL;
+    END IF;
+    FOR i IN 1 .. semaphore_acquire."limit" LOOP
+        IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
+            RETURN i;
+        END IF;
+    END LOOP;
+    IF semaphore_acquire.wait = '0'::interval THEN
+        RETURN NULL;
+    END IF;
+    v_deadline := clock_timestamp() + semaphore_acquire.wait;   -- NULL: no deadline
+    v_watch := pg_backend_pid() % semaphore_acquire."limit";
+    v_timeout := current_setting('lock_timeout');
+    LOOP
+        EXIT WHEN clock_timestamp() >= v_deadline;
+        v_watch := v_watch % semaphore_acquire."limit" + 1;
+        BEGIN
+            PERFORM set_config('lock_timeout',
+                               pgbroker._wait_ms(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms')), true);
+            PERFORM pg_advisory_lock(1885823597, v_keys[v_watch]);
+            PERFORM set_config('lock_timeout', v_timeout, true);
+            RETURN v_watch;
+        EXCEPTION WHEN lock_not_available THEN
+            PERFORM set_config('lock_timeout', v_timeout, true);
+        END;
+        FOR i IN 1 .. semaphore_acquire."limit" LOOP
+            IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
+                RETURN i;
+            END IF;
+        END LOOP;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.semaphore_acquire(text, integer, interval) IS
+$$Take a permit of semaphore NAME, of which at most LIMIT (1 to 1000) are handed out, and return its number (1..LIMIT); NULL when WAIT ran out.
+Session scope: held until semaphore_release(NAME) or the session ends (a crashed holder's permit is free at once).
+WAIT: '0' (the default) tries once and never blocks; an interval waits up to that long; NULL waits as long as it takes; negative: 22023.
+Callers passing different limits: a caller with limit L competes for permits 1..L only. No order among waiters.
+To be woken at once by a release, LISTEN on semaphore_channel(NAME) and retry with WAIT '0' on each notification (see README).$$;
+
+CREATE FUNCTION pgbroker.semaphore_release(name text)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(semaphore_release.name, 'semaphore name');
+    v_permit pgbroker.semaphore_permit;
+BEGIN
+    -- The highest permit this session holds, so that low numbers stay in use.
+    FOR v_permit IN SELECT * FROM pgbroker.semaphore_permit p WHERE p.name = v_name ORDER BY p.permit DESC LOOP
+        IF pg_advisory_unlock(1885823597, v_permit.key) THEN
+            PERFORM pg_notify(pgbroker.semaphore_channel(v_name), v_permit.permit::text);
+            RETURN true;
+        END IF;
+    END LOOP;
+    RETURN false;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.semaphore_release(text) IS
+    'Give back a permit of semaphore NAME held by this session (its highest-numbered one) and NOTIFY semaphore_channel(NAME); false, changing nothing, when it holds none.';

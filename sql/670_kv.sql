@@ -1,0 +1,126 @@
+-- pgbroker: a key-value store with versions, compare-and-set, expiry and watches.
+--
+-- Values are jsonb.  Every change (set or delete) takes a new version from
+-- one sequence, so a key's version grows on every change, also across a
+-- delete and a new set.  kv_set with a VERSION is a compare-and-set in one
+-- statement: it writes only when the key's current version equals VERSION
+-- (0: the key must not exist).  An expired key reads as absent.  Every change
+-- is announced with NOTIFY on the channel 'pgbroker_kv', payload
+-- {"key": ..., "version": ...} ("deleted": true for a delete), at commit.
+
+CREATE TABLE pgbroker.kv_entry (
+    key text PRIMARY KEY,
+    value jsonb NOT NULL,
+    version bigint NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    expires_at timestamptz
+);
+COMMENT ON TABLE pgbroker.kv_entry IS 'The key-value store. Internal: use kv_get(), kv_set(), kv_delete() and the view pgbroker.kv.';
+COMMENT ON COLUMN pgbroker.kv_entry.key IS 'The key, verbatim (1 to 200 bytes).';
+COMMENT ON COLUMN pgbroker.kv_entry.value IS 'Its value.';
+COMMENT ON COLUMN pgbroker.kv_entry.version IS 'Version of the last change (from pgbroker.kv_version_seq: grows on every change).';
+COMMENT ON COLUMN pgbroker.kv_entry.updated_at IS 'When it last changed.';
+COMMENT ON COLUMN pgbroker.kv_entry.expires_at IS 'When it expires (NULL: never); an expired entry reads as absent.';
+
+CREATE SEQUENCE pgbroker.kv_version_seq AS bigint;
+COMMENT ON SEQUENCE pgbroker.kv_version_seq IS 'Versions of the key-value store: every set and delete takes the next one.';
+
+CREATE FUNCTION pgbroker.kv_channel()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'pgbroker_kv'::text $$;
+COMMENT ON FUNCTION pgbroker.kv_channel() IS
+    'The channel every key-value change is announced on: pgbroker_kv, payload {"key": ..., "version": ...} ("deleted": true for a delete).';
+
+CREATE FUNCTION pgbroker.kv_get(key text)
+RETURNS TABLE (value jsonb, version bigint, expires_at timestamptz)
+LANGUAGE plpgsql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key text := pgbroker._check_key(kv_get.key, 'key');
+BEGIN
+    RETURN QUERY
+    SELECT e.value, e.version, e.expires_at FROM pgbroker.kv_entry e
+     WHERE e.key = v_key
+       AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp());
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_get(text) IS
+    'The value, version and expiry of KEY (1 to 200 bytes); no row when it is absent or expired.';
+
+CREATE FUNCTION pgbroker.kv_set(key text, value jsonb, version bigint DEFAULT NULL, ttl interval DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key text := pgbroker._check_key(kv_set.key, 'key');
+    v_now timestamptz := clock_timestamp();
+    v_expires timestamptz;
+    v_new bigint;
+BEGIN
+    IF kv_set.value IS NULL THEN
+        RAISE EXCEPTION 'value must not be NULL (use kv_delete, or the JSON null ''null''::jsonb)'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF kv_set.ttl IS NOT NULL AND kv_set.ttl <= '0'::interval THEN
+        RAISE EXCEPTION 'ttl must be positive, got %', kv_set.ttl USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF kv_set.version < 0 THEN
+        RAISE EXCEPTION 'version must not be negative, got %', kv_set.version USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_expires := v_now + kv_set.ttl;
+    IF kv_set.version IS NULL OR kv_set.version = 0 THEN
+        -- Plain set, or "must not exist" (an expired entry counts as absent).
+        INSERT INTO pgbroker.kv_entry AS e (key, value, version, updated_at, expires_at)
+        VALUES (v_key, kv_set.value, nextval('pgbroker.kv_version_seq'), v_now, v_expires)
+        ON CONFLICT ON CONSTRAINT kv_entry_pkey DO UPDATE
+           SET value = excluded.value, version = excluded.version, updated_at = excluded.updated_at,
+               expires_at = excluded.expires_at
+         WHERE kv_set.version IS NULL OR e.expires_at <= v_now
+        RETURNING e.version INTO v_new;
+    ELSE
+        UPDATE pgbroker.kv_entry AS e
+           SET value = kv_set.value, version = nextval('pgbroker.kv_version_seq'), updated_at = v_now,
+               expires_at = v_expires
+         WHERE e.key = v_key AND e.version = kv_set.version AND (e.expires_at IS NULL OR e.expires_at > v_now)
+        RETURNING e.version INTO v_new;
+    END IF;
+    IF v_new IS NOT NULL THEN
+        PERFORM pg_notify('pgbroker_kv', json_build_object('key', v_key, 'version', v_new)::text);
+    END IF;
+    RETURN v_new;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_set(text, jsonb, bigint, interval) IS
+$$Set KEY (1 to 200 bytes) to VALUE (jsonb, not NULL) and return the new version; TTL (positive) makes it expire that long from now.
+With VERSION it is a compare-and-set: it writes only when the current version of KEY is VERSION (0: KEY must be absent or expired) and returns NULL otherwise, changing nothing.
+Announces the change on kv_channel() at commit.$$;
+
+CREATE FUNCTION pgbroker.kv_delete(key text, version bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key text := pgbroker._check_key(kv_delete.key, 'key');
+    v_now timestamptz := clock_timestamp();
+    v_live boolean;
+BEGIN
+    DELETE FROM pgbroker.kv_entry e
+     WHERE e.key = v_key AND (kv_delete.version IS NULL OR e.version = kv_delete.version)
+    RETURNING e.expires_at IS NULL OR e.expires_at > v_now INTO v_live;
+    IF v_live THEN
+        PERFORM pg_notify('pgbroker_kv', json_build_object('key', v_key, 'version', nextval('pgbroker.kv_version_seq'),
+                                                           'deleted', true)::text);
+    END IF;
+    RETURN coalesce(v_live, false);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_delete(text, bigint) IS
+    'Delete KEY; with VERSION only when that is its current version. True when a live entry was deleted (and announced on kv_channel()); false, changing nothing visible, otherwise.';
