@@ -96,6 +96,7 @@ DROP FUNCTION pgbroker._lease_alive(integer, timestamptz, integer);
 DROP FUNCTION pgbroker._check_name(text);
 DROP TABLE pgbroker.state;
 DROP TABLE pgbroker.lease_event;
+DROP FUNCTION pgbroker._next_epoch();
 DROP SEQUENCE pgbroker.lease_epoch_seq;
 DROP TABLE pgbroker.lease;
 DROP FUNCTION pgbroker._my_backend_start();

@@ -189,7 +189,7 @@ COMMENT ON TABLE pgbroker.lease IS
     'One row per broker lease name: its current epoch and holder. Internal: read the view pgbroker.brokers.';
 COMMENT ON COLUMN pgbroker.lease.name IS 'Lease name (1 to 63 bytes).';
 COMMENT ON COLUMN pgbroker.lease.lock_key IS 'Second key of the advisory lock (pgbroker._lock_class(), lock_key); unique per name, so names never collide.';
-COMMENT ON COLUMN pgbroker.lease.epoch IS 'Fencing token: increased by every successful claim, never reused (drawn from pgbroker.lease_epoch_seq, so it may skip values); 0 before the first claim.';
+COMMENT ON COLUMN pgbroker.lease.epoch IS 'Fencing token: greater than every epoch handed out before, across crashes and failovers ((WAL timeline - 1) * 2^40 + a sequence value, so it may skip values); 0 before the first claim.';
 COMMENT ON COLUMN pgbroker.lease.state IS 'new (never claimed), held (claimed and not released) or released.';
 COMMENT ON COLUMN pgbroker.lease.holder_pid IS 'Backend pid of the session that made the last claim.';
 COMMENT ON COLUMN pgbroker.lease.holder_backend_start IS 'Start time of that backend (guards against pid reuse).';
@@ -205,9 +205,28 @@ COMMENT ON COLUMN pgbroker.lease.session_locked IS 'Internal: whether the sessio
 
 -- Epochs of all names come from one sequence: a number once handed out is
 -- never handed out again, not even when the claim that got it rolled back.
-CREATE SEQUENCE pgbroker.lease_epoch_seq AS bigint;
+-- A promoted standby may have missed any number of claims (asynchronous
+-- replication), so its sequence can be behind the old primary's.  Every
+-- promotion starts a new WAL timeline, so the epoch carries the timeline in
+-- its high bits: epoch = (timeline - 1) * 2^40 + n, n from the sequence.
+-- On timeline 1 the epochs are 1, 2, 3...; after a failover every epoch
+-- compares greater than any the old primary handed out, as one bigint.
+CREATE SEQUENCE pgbroker.lease_epoch_seq AS bigint MAXVALUE 1099511627775;
 COMMENT ON SEQUENCE pgbroker.lease_epoch_seq IS
-    'Internal: source of lease epochs (fencing tokens), shared by all lease names, so a number is never reused even after a rolled-back claim.';
+    'Internal: the low 40 bits of lease epochs (fencing tokens), shared by all lease names, so a number is never reused even after a rolled-back claim.';
+
+-- The epoch for a new claim: the current WAL timeline in the high bits, the
+-- sequence in the low 40.
+CREATE FUNCTION pgbroker._next_epoch()
+RETURNS bigint
+LANGUAGE sql
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT (('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1) * 1099511627776
+           + nextval('pgbroker.lease_epoch_seq')
+$$;
+COMMENT ON FUNCTION pgbroker._next_epoch() IS
+    'Internal: a new epoch, (WAL timeline - 1) * 2^40 + the next value of lease_epoch_seq: greater than every epoch handed out before, across crashes and failovers.';
 
 CREATE TABLE pgbroker.lease_event (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -717,8 +736,11 @@ BEGIN
     -- The epoch comes from a sequence: a claim that rolls back after it
     -- returned its epoch has still used that number up.  Claims of one name
     -- are serialised by the lock and the row lock above, so it grows per name.
+    -- The claim commits durably whatever the session's synchronous_commit:
+    -- a broker must not act on an epoch that a crash could hand out again.
+    PERFORM set_config('synchronous_commit', 'on', true);
     UPDATE pgbroker.lease
-       SET epoch = nextval('pgbroker.lease_epoch_seq'),
+       SET epoch = pgbroker._next_epoch(),
            state = 'held',
            holder_pid = v_me,
            holder_backend_start = v_me_start,
@@ -766,6 +788,11 @@ DECLARE
     v_terminated integer;
 BEGIN
     PERFORM pgbroker._wait_ms(broker_claim.wait);
+    IF pg_is_in_recovery() THEN
+        RAISE EXCEPTION 'cannot claim lease "%" on a standby: this server is in recovery', v_name
+            USING ERRCODE = 'read_only_sql_transaction',
+                  HINT = 'Claim on the primary (with libpq, target_session_attrs=read-write finds it).';
+    END IF;
     IF broker_claim.takeover IS NULL THEN
         RAISE EXCEPTION 'takeover must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
