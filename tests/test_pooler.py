@@ -8,27 +8,17 @@ These tests show both, and that stale_after recovers the second case.
 
 from __future__ import annotations
 
-import os
-import pwd
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
+from pgbouncer_util import bouncers, requires_pgbouncer
 
-PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
-
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(PGBOUNCER) and os.environ.get("CI") != "true",
-    reason="pgbouncer is not installed (apt-get install pgbouncer); .ci/run installs it",
-)
+pytestmark = requires_pgbouncer
 
 HOLDER = """
 import sys, time, psycopg
@@ -38,71 +28,10 @@ time.sleep(600)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_pgbouncer(pg_port: int, pool_mode: str) -> tuple[subprocess.Popen, int, Path]:
-    tmp = Path(tempfile.mkdtemp(prefix="pgbroker-bouncer-"))
-    port = _free_port()
-    (tmp / "users.txt").write_text('"postgres" ""\n')
-    (tmp / "pgbouncer.ini").write_text(
-        f"""[databases]
-* = host=127.0.0.1 port={pg_port}
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = {port}
-unix_socket_dir =
-auth_type = trust
-auth_file = {tmp}/users.txt
-pool_mode = {pool_mode}
-default_pool_size = 2
-server_reset_query = DISCARD ALL
-ignore_startup_parameters = extra_float_digits,options
-logfile = {tmp}/pgbouncer.log
-pidfile = {tmp}/pgbouncer.pid
-"""
-    )
-    cmd = [PGBOUNCER, str(tmp / "pgbouncer.ini")]
-    if os.geteuid() == 0:  # pgbouncer refuses to run as root
-        pw = pwd.getpwnam("postgres")
-        for path in (tmp, *tmp.iterdir()):
-            os.chown(path, pw.pw_uid, pw.pw_gid)
-        cmd = ["runuser", "-u", "postgres", "--", *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, port, tmp
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"pgbouncer did not start: {(tmp / 'pgbouncer.log').read_text()}")
-
-
 @pytest.fixture
-def bouncer(pg_server, db_name) -> Iterator[Callable[[str], str]]:
-    started: list[tuple[subprocess.Popen, Path]] = []
-
-    def _bouncer(pool_mode: str) -> str:
-        proc, port, tmp = _start_pgbouncer(pg_server.port, pool_mode)
-        started.append((proc, tmp))
-        return f"postgresql://postgres@127.0.0.1:{port}/{db_name}"
-
-    try:
-        yield _bouncer
-    finally:
-        for proc, tmp in started:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            shutil.rmtree(tmp, ignore_errors=True)
+def bouncer(pg_server, db_name) -> Iterator[Callable[..., str]]:
+    with bouncers(pg_server.port, db_name) as start:
+        yield start
 
 
 def _holder(url: str) -> subprocess.Popen:
