@@ -1,7 +1,9 @@
-"""Write :mod:`pgbroker._broker_sync` (the threaded ``Broker``) from :mod:`pgbroker._broker_async` (``AsyncBroker``).
+"""Write :mod:`pgbroker._broker_sync` (the threaded ``Broker``) from :mod:`pgbroker._broker_async` (``AsyncBroker``),
+and :mod:`pgbroker._primitives_sync` (``Lock``, ``Semaphore``, ``KV``, ``Counter``) from
+:mod:`pgbroker._primitives_async`.
 
-    python3 -m pgbroker._gen_sync            # rewrite pgbroker/_broker_sync.py
-    python3 -m pgbroker._gen_sync --check    # exit 1 if it is not what the source gives
+    python3 -m pgbroker._gen_sync            # rewrite pgbroker/_broker_sync.py and pgbroker/_primitives_sync.py
+    python3 -m pgbroker._gen_sync --check    # exit 1 if one is not what its source gives
 
 A plain text transformation, line by line, in this order:
 
@@ -10,7 +12,8 @@ A plain text transformation, line by line, in this order:
    ``else:`` branch (if any) kept, one level less indented;
 3. a line ending in ``# ASYNC`` is dropped; a line ending in ``# sync: CODE``
    becomes ``CODE`` (same indentation);
-4. the :data:`RENAMES` are applied to every line (code, comments, docstrings).
+4. the :data:`RENAMES` (for the primitives, :data:`PRIMITIVE_RENAMES` first)
+   are applied to every line (code, comments, docstrings).
 
 So the async file stays ordinary, linted, type-checked Python, and the
 synchronous one is exactly what it says, with no runtime magic.
@@ -47,6 +50,22 @@ RENAMES: list[tuple[str, str]] = [
     (r"\b_broker_async\b", "_broker_sync"),
 ]
 
+PRIMITIVES_SOURCE = HERE / "_primitives_async.py"
+PRIMITIVES_TARGET = HERE / "_primitives_sync.py"
+
+PRIMITIVES_HEADER = '''\
+# Generated from pgbroker/_primitives_async.py by `python3 -m pgbroker._gen_sync`: do not edit.
+# Change the async source and run the generator; tests/test_primitives.py checks that the two agree.
+"""The coordination primitives for threads, generated from :mod:`pgbroker._primitives_async`."""
+'''
+
+# Applied before RENAMES to the primitives.
+PRIMITIVE_RENAMES: list[tuple[str, str]] = [
+    (r"\bAsync(Lock|Semaphore|KV|Counter)\b", r"\1"),
+    (r"\basync_lock\b", "lock"),
+    (r"\b_primitives_async\b", "_primitives_sync"),
+]
+
 _ASYNC_IF = re.compile(r"^( *)if True:  # ASYNC$")
 _ASYNC_LINE = re.compile(r"  # ASYNC$")
 _SYNC_LINE = re.compile(r"^( *)\S.*?  # sync: (.+)$")
@@ -70,12 +89,12 @@ def _block_end(lines: list[str], start: int, indent: int) -> int:
 
 def _drop_docstring(text: str) -> str:
     if not text.startswith('"""'):
-        raise ValueError(f"{SOURCE.name} must start with its module docstring")
+        raise ValueError("the async source must start with its module docstring")
     return text[text.index('"""', 3) + 3 :].lstrip("\n")
 
 
-def generate(source: str) -> str:
-    """The synchronous module for the text of the async one."""
+def generate(source: str, header: str = HEADER, renames: list[tuple[str, str]] = RENAMES) -> str:
+    """The synchronous module for the text of the async one (by default the broker's)."""
     lines = _drop_docstring(source).split("\n")
     out: list[str] = []
     i = 0
@@ -96,24 +115,34 @@ def generate(source: str) -> str:
         sync = _SYNC_LINE.match(line)
         out.append(sync.group(1) + sync.group(2) if sync else line)
     text = "\n".join(out)
-    for pattern, replacement in RENAMES:
+    for pattern, replacement in renames:
         text = re.sub(pattern, replacement, text)
-    return HEADER + "\n" + text
+    return header + "\n" + text
+
+
+def generate_primitives(source: str) -> str:
+    """The synchronous primitives for the text of :mod:`pgbroker._primitives_async`."""
+    return generate(source, PRIMITIVES_HEADER, PRIMITIVE_RENAMES + RENAMES)
+
+
+# (source, target, generator) of every generated module.
+PAIRS = [(SOURCE, TARGET, generate), (PRIMITIVES_SOURCE, PRIMITIVES_TARGET, generate_primitives)]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    wanted = generate(SOURCE.read_text())
-    if args == ["--check"]:
-        if TARGET.read_text() != wanted:
-            print(f"{TARGET} is out of date: run python3 -m pgbroker._gen_sync", file=sys.stderr)
-            return 1
-        return 0
-    if args:
+    if args not in ([], ["--check"]):
         print(__doc__, file=sys.stderr)
         return 2
-    TARGET.write_text(wanted)
-    return 0
+    status = 0
+    for source, target, make in PAIRS:
+        wanted = make(source.read_text())
+        if not args:
+            target.write_text(wanted)
+        elif not target.exists() or target.read_text() != wanted:
+            print(f"{target} is out of date: run python3 -m pgbroker._gen_sync", file=sys.stderr)
+            status = 1
+    return status
 
 
 if __name__ == "__main__":

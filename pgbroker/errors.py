@@ -32,6 +32,8 @@ __all__ = [
     "UnknownClient",
     "NotWatchable",
     "NotWatched",
+    "NotAcquired",
+    "PoolerNotSupported",
     "translate",
     "is_session_lost",
     "schema_error",
@@ -130,6 +132,18 @@ class NotWatched(PgBrokerError):
 
 class TableBusy(PgBrokerError):
     """PB022: ``subscribe`` could not take the table's watch lock within its ``wait`` (a writer stayed open)."""
+
+
+class NotAcquired(PgBrokerError, TimeoutError):
+    """A ``with`` block's lock or semaphore permit was not acquired within its ``timeout``."""
+
+
+class PoolerNotSupported(PgBrokerError):
+    """A session-scoped lock or semaphore on a connection whose session may not stay on one server backend.
+
+    Raised by the Python layer (no SQLSTATE) when the connection goes through a
+    pooler (a transaction-mode pooler moves the session between transactions).
+    """
 
 
 class SchemaMissing(PgBrokerError):

@@ -1,0 +1,131 @@
+"""What the two flavours of the coordination primitives share, with no I/O of its own.
+
+The statements (``*_SQL``), the result types, the argument conversions and the
+pooler verdict.  The flavours are :mod:`pgbroker._primitives_async` (the
+source) and :mod:`pgbroker._primitives_sync` (generated from it by
+:mod:`pgbroker._gen_sync`); :mod:`pgbroker.primitives` gathers the public names.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple
+
+from pgbroker._core import _interval
+
+# Every statement the primitives run: schema-qualified, parameters bound.
+LOCK_ACQUIRE_SQL = (
+    "SELECT pgbroker.lock_acquire(name => %(name)s, wait => %(wait)s, shared => %(shared)s, xact => %(xact)s)"
+)
+LOCK_RELEASE_SQL = "SELECT pgbroker.lock_release(name => %(name)s, shared => %(shared)s)"
+SEMAPHORE_CHANNEL_SQL = "SELECT pgbroker.semaphore_channel(name => %(name)s)"
+SEMAPHORE_TRY_SQL = 'SELECT pgbroker.semaphore_acquire(name => %(name)s, "limit" => %(limit)s, wait => %(wait)s)'
+SEMAPHORE_RELEASE_SQL = "SELECT pgbroker.semaphore_release(name => %(name)s)"
+KV_CHANNEL_SQL = "SELECT pgbroker.kv_channel()"
+KV_GET_SQL = "SELECT value, version, expires_at FROM pgbroker.kv_get(key => %(key)s)"
+KV_SET_SQL = "SELECT pgbroker.kv_set(key => %(key)s, value => %(value)s, version => %(version)s, ttl => %(ttl)s)"
+KV_DELETE_SQL = "SELECT pgbroker.kv_delete(key => %(key)s, version => %(version)s)"
+# What a watch reads first: the live entries under a prefix (every one for
+# prefix '') changed after a version, oldest change first.
+KV_SCAN_SQL = (
+    "SELECT key, value, version, expires_at FROM pgbroker.kv"
+    " WHERE pg_catalog.starts_with(key, %(prefix)s) AND version > %(after)s ORDER BY version"
+)
+COUNTER_ADD_SQL = "SELECT pgbroker.counter_add(name => %(name)s, delta => %(delta)s)"
+COUNTER_GET_SQL = "SELECT pgbroker.counter_get(name => %(name)s)"
+COUNTER_SET_SQL = "SELECT pgbroker.counter_set(name => %(name)s, value => %(value)s, expected => %(expected)s)"
+BACKEND_PID_SQL = "SELECT pg_catalog.pg_backend_pid()"
+
+# A blocking Semaphore.acquire() retries at least this often (seconds): the
+# bound for a crashed holder's permit (which sends no NOTIFY) to reach a
+# waiter that LISTENs.  A graceful release wakes the waiter at once.
+SEMAPHORE_FALLBACK = 0.25
+
+
+class KVEntry(NamedTuple):
+    """A live entry of the key-value store."""
+
+    value: Any
+    version: int
+    expires_at: datetime | None
+
+
+class KVChange(NamedTuple):
+    """A change a watch saw: the key's new value and version, or ``deleted`` (value None)."""
+
+    key: str
+    value: Any
+    version: int
+    deleted: bool = False
+
+
+class _Unset:
+    """The default of ``acquire(timeout=...)``: use the object's own timeout."""
+
+    def __repr__(self) -> str:
+        return "<the object's timeout>"
+
+
+UNSET: Any = _Unset()
+
+
+def wait_param(timeout: float | timedelta | None) -> timedelta | None:
+    """A ``timeout`` (seconds, a timedelta, or None: forever) as the SQL ``wait`` interval."""
+    return _interval(timeout, "timeout")
+
+
+def seconds(timeout: float | timedelta | None) -> float | None:
+    """A ``timeout`` in seconds (None stays None)."""
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+
+
+def parse_kv_payload(payload: str) -> tuple[str, int, bool] | None:
+    """(key, version, deleted) of a notification on the key-value channel; None when it is not one."""
+    try:
+        data = json.loads(payload)
+        key, version = data["key"], data["version"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(key, str) or not isinstance(version, int):
+        return None
+    return key, version, bool(data.get("deleted", False))
+
+
+# The pooler verdict of each connection, found once per connection: None when
+# its session stays on one backend, else why it may not.
+_VERDICTS: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
+
+
+def pooler_verdict(login_pid: int, pids: list[int]) -> tuple[str, str] | None:
+    """Why session scope is unsafe on a connection given ``login_pid`` at login whose statements ran on ``pids``.
+
+    ``pids``: ``pg_backend_pid()`` read in two separate transactions (one when
+    the caller's transaction was open).  A direct connection runs on the
+    backend whose pid it was given at login.  Through a pooler the login pid
+    is the pooler's own number: a different backend between two transactions
+    proves transaction pooling; the same one proves nothing (a pooler in
+    transaction mode reuses an idle server connection), so any pooler is
+    refused unless the caller says it keeps sessions (``session_pooler=True``).
+    Returns None (safe), ``("transaction", why)`` or ``("pooler", why)``.
+    """
+    if len(set(pids)) > 1:
+        return "transaction", (
+            f"the connection ran two transactions on two server backends (pids {pids[0]} and {pids[1]}): "
+            "it goes through a pooler in transaction mode"
+        )
+    if pids[0] != login_pid:
+        return "pooler", (
+            f"the connection runs on server backend {pids[0]}, not on the pid {login_pid} it was given at login: "
+            "it goes through a pooler, which may move it to another backend between transactions"
+        )
+    return None
+
+
+def pooler_error_text(what: str, reason: str) -> str:
+    return (
+        f"a session-scoped {what} needs a connection that keeps its server session, and {reason}. "
+        "Use a transaction-scoped lock (xact=True, inside a transaction), connect directly, "
+        "or, through a pooler in session mode, pass session_pooler=True"
+    )

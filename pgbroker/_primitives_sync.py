@@ -1,0 +1,445 @@
+# Generated from pgbroker/_primitives_async.py by `python3 -m pgbroker._gen_sync`: do not edit.
+# Change the async source and run the generator; tests/test_primitives.py checks that the two agree.
+"""The coordination primitives for threads, generated from :mod:`pgbroker._primitives_async`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import psycopg
+import psycopg.sql
+from psycopg import pq
+from psycopg.abc import Query
+from psycopg.types.json import Jsonb
+
+from pgbroker._core import _raise_translated
+from pgbroker._primitives_core import (
+    _VERDICTS,
+    BACKEND_PID_SQL,
+    COUNTER_ADD_SQL,
+    COUNTER_GET_SQL,
+    COUNTER_SET_SQL,
+    KV_CHANNEL_SQL,
+    KV_DELETE_SQL,
+    KV_GET_SQL,
+    KV_SCAN_SQL,
+    KV_SET_SQL,
+    LOCK_ACQUIRE_SQL,
+    LOCK_RELEASE_SQL,
+    SEMAPHORE_CHANNEL_SQL,
+    SEMAPHORE_FALLBACK,
+    SEMAPHORE_RELEASE_SQL,
+    SEMAPHORE_TRY_SQL,
+    UNSET,
+    KVChange,
+    KVEntry,
+    parse_kv_payload,
+    pooler_error_text,
+    pooler_verdict,
+    seconds,
+    wait_param,
+)
+from pgbroker.errors import NotAcquired, PgBrokerError, PoolerNotSupported
+
+__all__ = ["Counter", "KV", "Lock", "Semaphore", "lock"]
+
+Timeout = float | timedelta | None
+
+
+def _in_transaction(conn: psycopg.Connection[Any]) -> bool:
+    return conn.info.transaction_status != pq.TransactionStatus.IDLE
+
+
+def _rows(conn: psycopg.Connection[Any], query: Query, params: Any = None) -> list[Any]:
+    """Run one statement and return its rows (errors translated).
+
+    On a non-autocommit connection outside a transaction it runs in a transaction of its own, committed at once.
+    """
+    try:
+        if conn.autocommit or _in_transaction(conn):
+            cur = conn.execute(query, params)
+            return cur.fetchall() if cur.description is not None else []
+        with conn.transaction():
+            cur = conn.execute(query, params)
+            return cur.fetchall() if cur.description is not None else []
+    except psycopg.Error as exc:
+        _raise_translated(exc)
+
+
+def _listen_sql(verb: str, channel: str) -> psycopg.sql.Composed:
+    return psycopg.sql.SQL(verb + " {}").format(psycopg.sql.Identifier(channel))
+
+
+def _scalar(conn: psycopg.Connection[Any], query: Query, params: Any = None) -> Any:
+    rows = _rows(conn, query, params)
+    return rows[0][0]
+
+
+def _check_session(conn: psycopg.Connection[Any], what: str, session_pooler: bool) -> None:
+    """Raise :class:`PoolerNotSupported` unless ``conn`` keeps one server session (checked once per connection).
+
+    Reads ``pg_backend_pid()`` in two separate transactions (one, inside the
+    caller's open transaction) and compares them with the pid the connection
+    was given at login (see :func:`pgbroker._primitives_core.pooler_verdict`).
+    """
+    if conn not in _VERDICTS:
+        pids = [_scalar(conn, BACKEND_PID_SQL)]
+        if not _in_transaction(conn):
+            pids.append(_scalar(conn, BACKEND_PID_SQL))
+        _VERDICTS[conn] = pooler_verdict(conn.info.backend_pid, pids)
+    verdict = _VERDICTS[conn]
+    if verdict is None or (session_pooler and verdict[0] == "pooler"):
+        return
+    raise PoolerNotSupported(pooler_error_text(what, verdict[1]))
+
+
+class Lock:
+    """The named lock ``name`` (any text of 1 to 200 bytes), held by this object's connection.
+
+    ``shared``: a shared lock (many holders) instead of an exclusive one.
+    ``timeout``: how long :meth:`acquire` waits by default, in seconds or a
+    timedelta (None: as long as it takes; 0: try once).  ``xact``: a
+    transaction-scoped lock, taken inside the caller's open transaction and
+    released by its commit or rollback (works through a pooler in transaction
+    mode); otherwise session scope, held until :meth:`release` or the session
+    ends, which needs a connection that keeps its server session
+    (:class:`~pgbroker.errors.PoolerNotSupported` otherwise; pass
+    ``session_pooler=True`` for a pooler in session mode).
+
+    Holds stack as PostgreSQL advisory locks do: acquired twice, held until
+    released twice.  As a context manager it acquires (raising
+    :class:`~pgbroker.errors.NotAcquired` when ``timeout`` runs out) and
+    releases one hold.
+    """
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        name: str,
+        shared: bool = False,
+        timeout: Timeout = None,
+        xact: bool = False,
+        *,
+        session_pooler: bool = False,
+    ) -> None:
+        self.conn = conn
+        self.name = name
+        self.shared = shared
+        self.timeout = timeout
+        self.xact = xact
+        self.session_pooler = session_pooler
+        self._holds = 0
+
+    def __repr__(self) -> str:
+        mode = "shared" if self.shared else "exclusive"
+        return f"<{type(self).__name__} {self.name!r} {mode} holds={self._holds}>"
+
+    @property
+    def locked(self) -> bool:
+        """Whether this object holds the lock (once or more)."""
+        return self._holds > 0
+
+    def acquire(self, timeout: Timeout = UNSET) -> bool:
+        """Take the lock; True when acquired, False when ``timeout`` (default: the object's) ran out."""
+        wait = wait_param(self.timeout if timeout is UNSET else timeout)
+        params = {"name": self.name, "wait": wait, "shared": self.shared, "xact": self.xact}
+        if self.xact:
+            if self.conn.autocommit and not _in_transaction(self.conn):
+                raise PgBrokerError(
+                    "a transaction-scoped lock (xact=True) needs an open transaction: "
+                    "acquire it inside `with conn.transaction():`"
+                )
+            try:
+                cur = self.conn.execute(LOCK_ACQUIRE_SQL, params)
+                row = cur.fetchone()
+            except psycopg.Error as exc:
+                _raise_translated(exc)
+            acquired = bool(row and row[0])
+        else:
+            _check_session(self.conn, "lock", self.session_pooler)
+            acquired = bool(_scalar(self.conn, LOCK_ACQUIRE_SQL, params))
+        if acquired:
+            self._holds += 1
+        return acquired
+
+    def release(self) -> None:
+        """Give back one hold of a session-scoped lock (a transaction-scoped one ends with its transaction)."""
+        if self.xact:
+            raise PgBrokerError(
+                f"lock {self.name!r} is transaction-scoped: it is released by the commit or rollback of its transaction"
+            )
+        if self._holds == 0:
+            raise PgBrokerError(f"lock {self.name!r} is not held by this object")
+        self._holds -= 1
+        if not _scalar(self.conn, LOCK_RELEASE_SQL, {"name": self.name, "shared": self.shared}):
+            raise PgBrokerError(f"lock {self.name!r} was not held by this session any more")
+
+    def __enter__(self) -> Lock:
+        if not self.acquire():
+            raise NotAcquired(f"lock {self.name!r} was not acquired within {self.timeout!r} seconds")
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.xact:
+            self._holds = 0  # ends with the caller's transaction
+        elif not self.conn.closed and not self.conn.broken:
+            self.release()
+
+
+def lock(
+    conn: psycopg.Connection[Any],
+    name: str,
+    shared: bool = False,
+    timeout: Timeout = None,
+    xact: bool = False,
+    *,
+    session_pooler: bool = False,
+) -> Lock:
+    """A lock to use as a context manager: ``with lock(conn, "jobs"): ...``."""
+    return Lock(conn, name, shared, timeout, xact, session_pooler=session_pooler)
+
+
+class Semaphore:
+    """A permit of the counting semaphore ``name``: at most ``limit`` (1 to 1000) sessions hold one at a time.
+
+    Session scope (a crashed holder's permit is free at once), so it needs a
+    connection that keeps its server session, as a session-scoped
+    :class:`Lock` does.  One object holds at most one permit.
+
+    A blocking :meth:`acquire` waits without polling: it LISTENs on
+    ``pgbroker.semaphore_channel(name)`` *before* its first try
+    (``semaphore_acquire(name, limit, '0')``), then waits for a notification
+    and tries again, so a release between a failed try and the wait still
+    wakes it.  A crashed holder sends no notification: the waiter also
+    retries every ``SEMAPHORE_FALLBACK`` (0.25) seconds, the bound for such a
+    permit to reach it.  The wait consumes the connection's notifications:
+    use a connection that LISTENs to nothing else.  Waiters are not served in
+    order.
+    """
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        name: str,
+        limit: int = 3,
+        timeout: Timeout = None,
+        *,
+        session_pooler: bool = False,
+    ) -> None:
+        self.conn = conn
+        self.name = name
+        self.limit = limit
+        self.timeout = timeout
+        self.session_pooler = session_pooler
+        self.permit: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} limit={self.limit} permit={self.permit}>"
+
+    @property
+    def locked(self) -> bool:
+        """Whether this object holds a permit."""
+        return self.permit is not None
+
+    def acquire(self, timeout: Timeout = UNSET) -> int | None:
+        """Take a permit and return its number (1..limit); None when ``timeout`` (default: the object's) ran out."""
+        if self.permit is not None:
+            raise PgBrokerError(f"this object already holds permit {self.permit} of semaphore {self.name!r}")
+        _check_session(self.conn, "semaphore", self.session_pooler)
+        budget = seconds(self.timeout if timeout is UNSET else timeout)
+        if budget is not None and budget <= 0:
+            return self._try(wait_param(budget))  # 0: try once; negative: 22023 from SQL
+        if _in_transaction(self.conn):
+            raise PgBrokerError(
+                "a blocking Semaphore.acquire() waits for notifications, which arrive only between transactions: "
+                "call it outside a transaction (or with timeout=0)"
+            )
+        channel = self._listen()
+        try:
+            deadline = None if budget is None else time.monotonic() + budget
+            while True:
+                permit = self._try()
+                if permit is not None:
+                    return permit
+                remaining = SEMAPHORE_FALLBACK if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._wait(min(remaining, SEMAPHORE_FALLBACK))
+        finally:
+            self._unlisten(channel)
+
+    def release(self) -> None:
+        """Give back the permit (the next waiter is notified at once)."""
+        if self.permit is None:
+            raise PgBrokerError(f"this object holds no permit of semaphore {self.name!r}")
+        self.permit = None
+        if not _scalar(self.conn, SEMAPHORE_RELEASE_SQL, {"name": self.name}):
+            raise PgBrokerError(f"semaphore {self.name!r}: this session held no permit any more")
+
+    def __enter__(self) -> Semaphore:
+        if self.acquire() is None:
+            raise NotAcquired(f"no permit of semaphore {self.name!r} within {self.timeout!r} seconds")
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.permit is not None and not self.conn.closed and not self.conn.broken:
+            self.release()
+
+    # The steps of a blocking acquire (a test runs them one by one).
+
+    def _listen(self) -> str:
+        channel: str = _scalar(self.conn, SEMAPHORE_CHANNEL_SQL, {"name": self.name})
+        _rows(self.conn, _listen_sql("LISTEN", channel))
+        return channel
+
+    def _try(self, wait: timedelta = timedelta(0)) -> int | None:
+        params = {"name": self.name, "limit": self.limit, "wait": wait}
+        permit = _scalar(self.conn, SEMAPHORE_TRY_SQL, params)
+        self.permit = permit
+        return permit
+
+    def _wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a notification; whether one came."""
+        for _ in self.conn.notifies(timeout=timeout, stop_after=1):
+            return True
+        return False
+
+    def _unlisten(self, channel: str) -> None:
+        if not self.conn.closed and not self.conn.broken and not _in_transaction(self.conn):
+            _rows(self.conn, _listen_sql("UNLISTEN", channel))
+
+
+class KV:
+    """The key-value store: jsonb values, a version per key that grows on every change, optional expiry.
+
+    Keys are text of 1 to 200 bytes; values anything ``json`` can encode.
+    ``ttl`` is in seconds or a timedelta (None: never expires).
+    """
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    def get(self, key: str) -> KVEntry | None:
+        """(value, version, expires_at) of ``key``; None when it is absent or expired."""
+        rows = _rows(self.conn, KV_GET_SQL, {"key": key})
+        return KVEntry(*rows[0]) if rows else None
+
+    def set(self, key: str, value: Any, ttl: Timeout = None) -> int:
+        """Set ``key`` to ``value`` and return its new version."""
+        version: int = self._set(key, value, None, ttl)
+        return version
+
+    def cas(self, key: str, value: Any, version: int, ttl: Timeout = None) -> int | None:
+        """Set ``key`` only if its version is ``version`` (0: absent or expired); the new version, or None."""
+        if version is None:
+            raise TypeError("cas() needs the version to compare with (0: the key must not exist)")
+        result: int | None = self._set(key, value, version, ttl)
+        return result
+
+    def delete(self, key: str, version: int | None = None) -> bool:
+        """Delete ``key`` (only at ``version`` when given); whether a live entry was deleted."""
+        return bool(_scalar(self.conn, KV_DELETE_SQL, {"key": key, "version": version}))
+
+    def _set(self, key: str, value: Any, version: int | None, ttl: Timeout) -> Any:
+        params = {"key": key, "value": Jsonb(value), "version": version, "ttl": wait_param(ttl)}
+        return _scalar(self.conn, KV_SET_SQL, params)
+
+    def watch(
+        self, key: str | None = None, prefix: str | None = None, after_version: int = 0, timeout: Timeout = None
+    ) -> Iterator[KVChange]:
+        """Yield the changes of ``key`` (or of the keys starting with ``prefix``; of all keys when neither is given)
+        past ``after_version``, as they commit, without polling.
+
+        It LISTENs on ``pgbroker.kv_channel()`` first, then reads the current
+        entries (yielding those newer than ``after_version``), then waits for
+        notifications and re-reads each changed key, so no change committed
+        after the read is missed.  A deletion is yielded as it happens
+        (``deleted=True``), with the version it took; an entry that is absent
+        when the watch starts, or that expires, is not announced.  Versions
+        only grow, and each key's change is yielded once.  ``timeout``: stop
+        after that long without a change (None: never).  Close the iterator
+        to UNLISTEN at once.  It consumes the connection's
+        notifications: give it a connection of its own.
+        """
+        if key is not None and prefix is not None:
+            raise TypeError("watch() takes key or prefix, not both")
+        if _in_transaction(self.conn):
+            raise PgBrokerError("watch() waits for notifications, which arrive only between transactions")
+        wait = seconds(timeout)
+        channel: str = _scalar(self.conn, KV_CHANNEL_SQL)
+        _rows(self.conn, _listen_sql("LISTEN", channel))
+        seen: dict[str, int] = {}
+
+        def wanted(k: str, version: int) -> bool:
+            matches = k == key if key is not None else k.startswith(prefix or "")
+            return matches and version > max(after_version, seen.get(k, 0))
+
+        try:
+            if key is not None:
+                entry = self.get(key)
+                first = [(key, *entry)] if entry is not None else []
+            else:
+                first = _rows(self.conn, KV_SCAN_SQL, {"prefix": prefix or "", "after": after_version})
+            for k, value, version, _ in first:
+                if wanted(k, version):
+                    seen[k] = version
+                    yield KVChange(k, value, version)
+            quiet_since = time.monotonic()
+            while True:
+                remaining = None if wait is None else quiet_since + wait - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                changes: list[tuple[str, int, bool]] = []
+                for note in self.conn.notifies(timeout=remaining, stop_after=1):
+                    parsed = parse_kv_payload(note.payload) if note.channel == channel else None
+                    if parsed is not None:
+                        changes.append(parsed)
+                for k, version, deleted in changes:
+                    if not wanted(k, version):
+                        continue
+                    if deleted:
+                        seen[k] = version
+                        yield KVChange(k, None, version, True)
+                        quiet_since = time.monotonic()
+                        continue
+                    entry = self.get(k)
+                    if entry is None or not wanted(k, entry.version):
+                        seen[k] = max(version, seen.get(k, 0))  # changed again since: that change is announced too
+                        continue
+                    seen[k] = entry.version
+                    yield KVChange(k, entry.value, entry.version)
+                    quiet_since = time.monotonic()
+        finally:
+            if not self.conn.closed and not self.conn.broken and not _in_transaction(self.conn):
+                _rows(self.conn, _listen_sql("UNLISTEN", channel))
+
+
+class Counter:
+    """The atomic counter ``name`` (absent reads as 0; bigint range, 22003 beyond it)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], name: str) -> None:
+        self.conn = conn
+        self.name = name
+
+    def add(self, delta: int = 1) -> int:
+        """Add ``delta`` (may be negative) in one atomic statement; the new value."""
+        value: int = _scalar(self.conn, COUNTER_ADD_SQL, {"name": self.name, "delta": delta})
+        return value
+
+    def get(self) -> int:
+        """The current value (0 when it does not exist)."""
+        value: int = _scalar(self.conn, COUNTER_GET_SQL, {"name": self.name})
+        return value
+
+    def set(self, value: int, expected: int | None = None) -> bool:
+        """Set the value; with ``expected``, only if the current value is that (absent counts as 0)."""
+        params = {"name": self.name, "value": value, "expected": expected}
+        return bool(_scalar(self.conn, COUNTER_SET_SQL, params))
