@@ -334,11 +334,15 @@ class AsyncKV:
     """The key-value store: jsonb values, a version per key that grows on every change, optional expiry.
 
     Keys are text of 1 to 200 bytes; values anything ``json`` can encode.
-    ``ttl`` is in seconds or a timedelta (None: never expires).
+    ``ttl`` is in seconds or a timedelta (None: never expires).  Reads and
+    writes work through any pooler; :meth:`watch` LISTENs, so it needs a
+    connection that keeps its server session (``session_pooler`` as for
+    :class:`AsyncLock`).
     """
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    def __init__(self, conn: psycopg.AsyncConnection[Any], *, session_pooler: bool = False) -> None:
         self.conn = conn
+        self.session_pooler = session_pooler
 
     async def get(self, key: str) -> KVEntry | None:
         """(value, version, expires_at) of ``key``; None when it is absent or expired."""
@@ -369,7 +373,9 @@ class AsyncKV:
         self, key: str | None = None, prefix: str | None = None, after_version: int = 0, timeout: Timeout = None
     ) -> AsyncIterator[KVChange]:
         """Yield the changes of ``key`` (or of the keys starting with ``prefix``; of all keys when neither is given)
-        past ``after_version``, as they commit, without polling.
+        past ``after_version``, as they commit, without polling.  (A prefix
+        watch first reads the view ``pgbroker.kv``: its role needs
+        ``pgbroker_reader`` besides ``pgbroker_user``.)
 
         It LISTENs on ``pgbroker.kv_channel()`` first, then reads the current
         entries (yielding those newer than ``after_version``), then waits for
@@ -386,6 +392,7 @@ class AsyncKV:
             raise TypeError("watch() takes key or prefix, not both")
         if _in_transaction(self.conn):
             raise PgBrokerError("watch() waits for notifications, which arrive only between transactions")
+        await _check_session(self.conn, "watch (LISTEN)", self.session_pooler)
         wait = seconds(timeout)
         channel: str = await _scalar(self.conn, KV_CHANNEL_SQL)
         await _rows(self.conn, _listen_sql("LISTEN", channel))

@@ -321,11 +321,15 @@ class KV:
     """The key-value store: jsonb values, a version per key that grows on every change, optional expiry.
 
     Keys are text of 1 to 200 bytes; values anything ``json`` can encode.
-    ``ttl`` is in seconds or a timedelta (None: never expires).
+    ``ttl`` is in seconds or a timedelta (None: never expires).  Reads and
+    writes work through any pooler; :meth:`watch` LISTENs, so it needs a
+    connection that keeps its server session (``session_pooler`` as for
+    :class:`Lock`).
     """
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], *, session_pooler: bool = False) -> None:
         self.conn = conn
+        self.session_pooler = session_pooler
 
     def get(self, key: str) -> KVEntry | None:
         """(value, version, expires_at) of ``key``; None when it is absent or expired."""
@@ -356,7 +360,9 @@ class KV:
         self, key: str | None = None, prefix: str | None = None, after_version: int = 0, timeout: Timeout = None
     ) -> Iterator[KVChange]:
         """Yield the changes of ``key`` (or of the keys starting with ``prefix``; of all keys when neither is given)
-        past ``after_version``, as they commit, without polling.
+        past ``after_version``, as they commit, without polling.  (A prefix
+        watch first reads the view ``pgbroker.kv``: its role needs
+        ``pgbroker_reader`` besides ``pgbroker_user``.)
 
         It LISTENs on ``pgbroker.kv_channel()`` first, then reads the current
         entries (yielding those newer than ``after_version``), then waits for
@@ -373,6 +379,7 @@ class KV:
             raise TypeError("watch() takes key or prefix, not both")
         if _in_transaction(self.conn):
             raise PgBrokerError("watch() waits for notifications, which arrive only between transactions")
+        _check_session(self.conn, "watch (LISTEN)", self.session_pooler)
         wait = seconds(timeout)
         channel: str = _scalar(self.conn, KV_CHANNEL_SQL)
         _rows(self.conn, _listen_sql("LISTEN", channel))
