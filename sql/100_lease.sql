@@ -65,6 +65,12 @@ CREATE TABLE pgbroker.lease (
     claimed_at timestamptz,
     heartbeat_at timestamptz,
     released_at timestamptz,
+    -- Who holds it: the owner token the claim passed (NULL for a bare claim).
+    owner text,
+    -- A TTL lease (claimed with ttl =>) is held until expires_at unless
+    -- renewed, with no session lock; a session lease has both NULL.
+    ttl interval,
+    expires_at timestamptz,
     -- Book-keeping for the deferred session-lock trigger (see _lease_sync_session_lock).
     sync_xid xid8,
     session_locked boolean NOT NULL DEFAULT false,
@@ -85,6 +91,9 @@ COMMENT ON COLUMN pgbroker.lease.holder_info IS 'Free text given by the claimant
 COMMENT ON COLUMN pgbroker.lease.claimed_at IS 'When the current epoch was claimed.';
 COMMENT ON COLUMN pgbroker.lease.heartbeat_at IS 'Last broker_heartbeat() of the holder (claim time until the first one).';
 COMMENT ON COLUMN pgbroker.lease.released_at IS 'When the holder called broker_release(), if it did.';
+COMMENT ON COLUMN pgbroker.lease.owner IS 'Owner token given by the holder''s claim (owner =>); NULL for a bare claim. Never shown in views or errors.';
+COMMENT ON COLUMN pgbroker.lease.ttl IS 'For a TTL lease: its time to live (renewals extend it by this much by default); NULL for a session lease.';
+COMMENT ON COLUMN pgbroker.lease.expires_at IS 'For a TTL lease: when it lapses unless renewed; NULL for a session lease.';
 COMMENT ON COLUMN pgbroker.lease.sync_xid IS 'Internal: transaction that last changed the holder; see _lease_sync_session_lock().';
 COMMENT ON COLUMN pgbroker.lease.session_locked IS 'Internal: whether the session of that transaction held the session-level lock when it began.';
 
@@ -219,6 +228,20 @@ $$;
 COMMENT ON FUNCTION pgbroker._lease_alive(integer, timestamptz, integer) IS
     'Internal: true when backend p_pid (started at p_backend_start) exists and holds the advisory lock p_lock_key.';
 
+-- Is the lease held by someone alive: a TTL lease until it expires, a
+-- session lease while its holder's session holds the lock.
+CREATE FUNCTION pgbroker._lease_live(p_lease pgbroker.lease)
+RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT p_lease.state = 'held'
+       AND CASE WHEN p_lease.expires_at IS NOT NULL THEN p_lease.expires_at > pg_catalog.clock_timestamp()
+                ELSE pgbroker._lease_alive(p_lease.holder_pid, p_lease.holder_backend_start, p_lease.lock_key) END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_live(pgbroker.lease) IS
+    'Internal: true when the lease is held and alive: a TTL lease not yet expired, or a session lease whose holder''s session holds the lock.';
+
 -- The backend that holds the advisory lock of a lease right now, if any.
 CREATE FUNCTION pgbroker._lock_holder_pid(p_lock_key integer)
 RETURNS integer
@@ -247,6 +270,18 @@ DECLARE
     v_pid integer;
 BEGIN
     SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    IF v_lease.expires_at IS NOT NULL AND pgbroker._lease_live(v_lease) THEN
+        RAISE EXCEPTION 'lease "%" is held until % (a TTL lease claimed by pid %, application "%", epoch %)',
+                p_name, v_lease.expires_at, v_lease.holder_pid, coalesce(v_lease.holder_application, ''), v_lease.epoch
+            USING ERRCODE = 'lock_not_available',
+                  DETAIL = jsonb_build_object('name', p_name, 'pid', v_lease.holder_pid,
+                                              'application', v_lease.holder_application,
+                                              'address', host(v_lease.holder_address), 'user', v_lease.holder_user,
+                                              'info', v_lease.holder_info, 'epoch', v_lease.epoch,
+                                              'since', v_lease.claimed_at, 'heartbeat_at', v_lease.heartbeat_at,
+                                              'expires_at', v_lease.expires_at)::text,
+                  HINT = 'Wait for it to expire or be released (wait => interval), or take it over (takeover => true, pgbroker_admin only).';
+    END IF;
     v_pid := pgbroker._lock_holder_pid(v_lease.lock_key);
     IF v_pid IS NOT DISTINCT FROM v_lease.holder_pid AND v_lease.state = 'held' THEN
         RAISE EXCEPTION 'lease "%" is held by pid % (application "%", address %, epoch %, since %)',
@@ -314,6 +349,7 @@ AS $$
     SELECT CASE WHEN p_lease.sync_xid IS NOT DISTINCT FROM pg_catalog.pg_current_xact_id_if_assigned()
                 THEN p_lease.session_locked
                 ELSE p_lease.state = 'held'
+                     AND p_lease.expires_at IS NULL
                      AND p_lease.holder_pid = pg_catalog.pg_backend_pid()
                      AND p_lease.holder_backend_start = pgbroker._my_backend_start()
            END
@@ -336,6 +372,7 @@ BEGIN
         RETURN NULL;
     END IF;
     v_want := v_lease.state = 'held'
+              AND v_lease.expires_at IS NULL   -- a TTL lease has no session lock
               AND v_lease.holder_pid = pg_backend_pid()
               AND v_lease.holder_backend_start = pgbroker._my_backend_start();
     IF v_want = v_lease.session_locked THEN
@@ -502,7 +539,8 @@ COMMENT ON FUNCTION pgbroker._lease_takeover_stale(text, interval) IS
 -- without limit).  With p_stale_after it blocks in slices that end when the
 -- recorded holder's heartbeat would turn stale, and checks again, so a holder
 -- that stops heartbeating while we wait is taken over too.
-CREATE FUNCTION pgbroker._lease_claim(p_name text, p_wait interval, p_terminated integer, p_stale_after interval, p_info text)
+CREATE FUNCTION pgbroker._lease_claim(p_name text, p_wait interval, p_terminated integer, p_stale_after interval, p_info text,
+                                      p_owner text, p_ttl interval, p_takeover boolean)
 RETURNS bigint
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -523,11 +561,6 @@ DECLARE
     v_reason text;
     v_locked_before boolean;
 BEGIN
-    -- Checked again here: EXECUTE on this function is granted to pgbroker_broker.
-    PERFORM pgbroker._check_name(p_name), pgbroker._wait_ms(p_wait);
-    IF p_stale_after IS NOT NULL AND p_stale_after <= '0'::interval THEN
-        RAISE EXCEPTION 'stale_after must be positive: %', p_stale_after USING ERRCODE = 'invalid_parameter_value';
-    END IF;
     v_deadline := clock_timestamp() + p_wait;  -- NULL: no limit
 
     PERFORM pgbroker._lease_sweep();
@@ -552,14 +585,36 @@ BEGIN
         SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
     END IF;
 
-    -- Already ours (committed, or claimed earlier in this transaction) ...
-    IF v_lease.state = 'held' AND v_lease.holder_pid = v_me AND v_lease.holder_backend_start = v_me_start THEN
+    -- Already held by this server session (committed, or claimed earlier in
+    -- this transaction) ...
+    IF v_lease.state = 'held' AND v_lease.expires_at IS NULL
+       AND v_lease.holder_pid = v_me AND v_lease.holder_backend_start = v_me_start THEN
         IF pgbroker._lease_alive(v_me, v_me_start, v_lease.lock_key) THEN
+            -- Behind a pooler in transaction mode this server session carries
+            -- many callers: only the claim's owner token proves that this is
+            -- the same one.  A bare re-claim cannot prove it and is refused.
+            IF p_owner IS NULL OR v_lease.owner IS DISTINCT FROM p_owner OR p_ttl IS NOT NULL THEN
+                RAISE EXCEPTION 'lease "%" is already held by this server session (epoch %, %)', p_name, v_lease.epoch,
+                        CASE WHEN v_lease.owner IS NULL THEN 'claimed without an owner token'
+                             WHEN p_ttl IS NOT NULL AND v_lease.owner = p_owner THEN 'as a session lease, not a TTL one'
+                             ELSE 'for another owner' END
+                    USING ERRCODE = 'PB003',
+                          DETAIL = jsonb_build_object('name', p_name, 'pid', v_me, 'application', v_lease.holder_application,
+                                                      'epoch', v_lease.epoch, 'since', v_lease.claimed_at)::text,
+                          HINT = 'Re-claim with the owner token of the claim (owner =>). Through a pooler in transaction mode, '
+                                 'where callers share server sessions, use a TTL lease (ttl =>, owner =>).';
+            END IF;
             RETURN v_lease.epoch;
         END IF;
         -- ... unless our lock is gone (pg_advisory_unlock_all(), DISCARD ALL):
         -- then another session may have had it meanwhile; claim a new epoch.
         v_lost := true;
+    END IF;
+    -- A live TTL lease of this owner, claimed again with a TTL: renew it.
+    IF p_ttl IS NOT NULL AND v_lease.expires_at IS NOT NULL AND v_lease.owner = p_owner AND pgbroker._lease_live(v_lease) THEN
+        UPDATE pgbroker.lease SET expires_at = clock_timestamp() + p_ttl, ttl = p_ttl, heartbeat_at = clock_timestamp()
+         WHERE name = p_name;
+        RETURN v_lease.epoch;
     END IF;
 
     v_got := pg_try_advisory_xact_lock(pgbroker._lock_class(), v_lease.lock_key);
@@ -601,6 +656,23 @@ BEGIN
         PERFORM pgbroker._raise_held(p_name);
     END IF;
 
+    -- No session holds it; a live TTL lease may: wait until it expires or is
+    -- released (looking every 100 ms), up to the deadline.  takeover => true
+    -- claims over it.
+    LOOP
+        SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+        EXIT WHEN v_lease.expires_at IS NULL OR NOT pgbroker._lease_live(v_lease);
+        IF p_takeover THEN
+            v_event := 'takeover';
+            EXIT;
+        END IF;
+        IF clock_timestamp() >= v_deadline THEN
+            PERFORM pgbroker._raise_held(p_name);
+        END IF;
+        PERFORM pg_sleep(greatest(extract(epoch FROM least(v_lease.expires_at, v_deadline, clock_timestamp() + '100 ms'::interval)
+                                                    - clock_timestamp()), 0) + 0.001);
+    END LOOP;
+
     -- FOR UPDATE conflicts with broker_assert()'s FOR KEY SHARE: a fenced
     -- transaction that asserted the old epoch commits before the new one exists.
     SELECT * INTO v_prev FROM pgbroker.lease WHERE name = p_name FOR UPDATE;
@@ -611,8 +683,11 @@ BEGIN
         WHEN v_event = 'takeover' THEN format('takeover by %s: terminated pid %s (epoch %s)', session_user, v_killed, v_prev.epoch)
         WHEN v_event = 'stale_takeover' THEN format('heartbeat of pid %s (epoch %s) was %s old, stale_after %s: terminated',
                                                   v_killed, v_prev.epoch, clock_timestamp() - v_prev.heartbeat_at, p_stale_after)
+        WHEN v_event = 'takeover' AND v_prev.expires_at IS NOT NULL
+            THEN format('takeover by %s of the TTL lease of epoch %s', session_user, v_prev.epoch)
         WHEN v_prev.state = 'new' THEN 'first claim'
         WHEN v_prev.state = 'released' THEN format('epoch %s was released', v_prev.epoch)
+        WHEN v_prev.expires_at IS NOT NULL THEN format('the TTL lease of epoch %s expired at %s', v_prev.epoch, v_prev.expires_at)
         WHEN v_lost THEN format('the same session (pid %s) had lost the lock of epoch %s (pg_advisory_unlock_all() or DISCARD ALL)',
                                 v_me, v_prev.epoch)
         ELSE format('session of pid %s (epoch %s) ended', v_prev.holder_pid, v_prev.epoch)
@@ -636,6 +711,9 @@ BEGIN
            claimed_at = clock_timestamp(),
            heartbeat_at = clock_timestamp(),
            released_at = NULL,
+           owner = p_owner,
+           ttl = p_ttl,
+           expires_at = clock_timestamp() + p_ttl,
            sync_xid = pg_current_xact_id(),
            session_locked = v_locked_before
      WHERE name = p_name
@@ -651,7 +729,7 @@ BEGIN
     RETURN v_lease.epoch;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._lease_claim(text, interval, integer, interval, text) IS
+COMMENT ON FUNCTION pgbroker._lease_claim(text, interval, integer, interval, text, text, interval, boolean) IS
     'Internal: body of broker_claim() after argument checks and any privileged takeover (p_terminated: pid it terminated).';
 
 -- ---------------------------------------------------------------------------
@@ -662,7 +740,9 @@ CREATE FUNCTION pgbroker.broker_claim(
     wait interval DEFAULT '0',
     takeover boolean DEFAULT false,
     stale_after interval DEFAULT NULL,
-    info text DEFAULT NULL)
+    info text DEFAULT NULL,
+    owner text DEFAULT NULL,
+    ttl interval DEFAULT NULL)
 RETURNS bigint
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -685,6 +765,16 @@ BEGIN
         RAISE EXCEPTION 'stale_after must be positive: %', broker_claim.stale_after
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF broker_claim.owner IS NOT NULL AND (broker_claim.owner = '' OR octet_length(broker_claim.owner) > 200) THEN
+        RAISE EXCEPTION 'owner must be 1 to 200 bytes, got %', octet_length(broker_claim.owner)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF broker_claim.ttl IS NOT NULL AND (broker_claim.owner IS NULL OR broker_claim.ttl <= '0'::interval) THEN
+        RAISE EXCEPTION 'a TTL lease needs a positive ttl and an owner token, got ttl % and %', broker_claim.ttl,
+                        CASE WHEN broker_claim.owner IS NULL THEN 'no owner' ELSE 'an owner' END
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass owner => a token that identifies this caller (for example a UUID), the same in renewals.';
+    END IF;
     -- SECURITY DEFINER hides the caller's current_user; session_user is the
     -- login role, whose rights bound what the session can do (it can always
     -- RESET ROLE back to it).
@@ -696,20 +786,22 @@ BEGIN
     IF broker_claim.takeover THEN
         v_terminated := pgbroker._lease_takeover(v_name);
     END IF;
-    RETURN pgbroker._lease_claim(v_name, broker_claim.wait, v_terminated,
-                                 broker_claim.stale_after, broker_claim.info);
+    RETURN pgbroker._lease_claim(v_name, broker_claim.wait, v_terminated, broker_claim.stale_after, broker_claim.info,
+                                 broker_claim.owner, broker_claim.ttl, broker_claim.takeover);
 END
 $$;
-COMMENT ON FUNCTION pgbroker.broker_claim(text, interval, boolean, interval, text) IS
+COMMENT ON FUNCTION pgbroker.broker_claim(text, interval, boolean, interval, text, text, interval) IS
 $$Claim the broker lease NAME for this session and return its new epoch (the fencing token).
 wait: '0' fails at once with 55P03 if another session holds it; an interval blocks up to that long; NULL blocks until the holder's session ends.
 takeover => true (the login role must be a member of pgbroker_admin, else 42501): terminate the holder, then claim.
 stale_after: terminate a holder whose last broker_heartbeat() is older than this (checked again while waiting), then claim.
 info: free text recorded with the holder (for example the hostname).
-Also deletes the broker state of earlier epochs. Returns the current epoch when this session already holds the lease.
+owner: a token identifying the caller (1 to 200 bytes, for example a UUID). A re-claim from the session that holds the lease returns its epoch only with the same owner; a bare re-claim, or one with another owner, fails with PB003 (through a pooler in transaction mode that is another caller).
+ttl (with owner): a TTL lease, held with no session lock until ttl from now; renew it with broker_renew() (or a claim with the same owner and ttl), release it with broker_release(name, owner). It works through any pooler.
+Also deletes the broker state, clients, subscriptions and pending notifications of earlier epochs.
 The claim follows its transaction: it takes effect at commit and leaves no lock behind on error or rollback.$$;
 
-CREATE FUNCTION pgbroker.broker_release(name text DEFAULT 'default')
+CREATE FUNCTION pgbroker.broker_release(name text DEFAULT 'default', owner text DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -721,8 +813,17 @@ DECLARE
     v_locked_before boolean;
 BEGIN
     SELECT * INTO v_lease FROM pgbroker.lease WHERE lease.name = v_name FOR UPDATE;
-    IF NOT FOUND OR v_lease.state <> 'held' OR v_lease.holder_pid <> pg_backend_pid()
-       OR v_lease.holder_backend_start <> pgbroker._my_backend_start() THEN
+    IF NOT FOUND OR v_lease.state <> 'held' THEN
+        RETURN false;
+    END IF;
+    IF v_lease.expires_at IS NOT NULL THEN
+        -- A TTL lease: its owner releases it, from any session.
+        IF v_lease.owner IS DISTINCT FROM broker_release.owner THEN
+            RETURN false;
+        END IF;
+    ELSIF v_lease.holder_pid <> pg_backend_pid() OR v_lease.holder_backend_start <> pgbroker._my_backend_start()
+          OR (v_lease.owner IS NOT NULL AND v_lease.owner IS DISTINCT FROM broker_release.owner) THEN
+        -- Not this session's, or (behind a pooler) another caller's.
         RETURN false;
     END IF;
     v_locked_before := pgbroker._lease_touch(v_lease);
@@ -736,9 +837,41 @@ BEGIN
     RETURN true;
 END
 $$;
-COMMENT ON FUNCTION pgbroker.broker_release(text) IS
-$$Release lease NAME held by this session (a clean hand-over): marks the lease released and drops the lock when the transaction commits.
-Returns false, changing nothing, when this session does not hold it.$$;
+COMMENT ON FUNCTION pgbroker.broker_release(text, text) IS
+$$Release lease NAME (a clean hand-over): marks the lease released and, for a session lease, drops the lock when the transaction commits.
+A session lease is released by its holder's session (with its owner token, if the claim gave one); a TTL lease by its owner token, from any session.
+Returns false, changing nothing, otherwise.$$;
+
+CREATE FUNCTION pgbroker.broker_renew(name text, owner text, ttl interval DEFAULT NULL)
+RETURNS timestamptz
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(broker_renew.name);
+    v_expires timestamptz;
+BEGIN
+    IF broker_renew.ttl IS NOT NULL AND broker_renew.ttl <= '0'::interval THEN
+        RAISE EXCEPTION 'ttl must be positive, got %', broker_renew.ttl USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE pgbroker.lease l
+       SET expires_at = clock_timestamp() + coalesce(broker_renew.ttl, l.ttl),
+           ttl = coalesce(broker_renew.ttl, l.ttl),
+           heartbeat_at = clock_timestamp()
+     WHERE l.name = v_name AND l.state = 'held' AND l.expires_at > clock_timestamp()
+       AND l.owner = broker_renew.owner
+    RETURNING l.expires_at INTO v_expires;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'lease "%" is not held by this owner: its TTL lease expired, was released or was never claimed by it', v_name
+            USING ERRCODE = 'PB002', HINT = 'Claim it again (a new epoch): work fenced with the old epoch is refused.';
+    END IF;
+    RETURN v_expires;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_renew(text, text, interval) IS
+$$Extend the TTL lease NAME held by OWNER to TTL (default: the claim's ttl) from now, and return when it now expires.
+PB002 when it is not held by OWNER any more (expired, released, or claimed by another): claim again.$$;
 
 CREATE FUNCTION pgbroker.broker_heartbeat(name text DEFAULT 'default')
 RETURNS timestamptz
@@ -795,9 +928,14 @@ BEGIN
     IF v_lease.state <> 'held' THEN
         RAISE EXCEPTION 'epoch % of lease "%" was released', broker_assert.epoch, v_name USING ERRCODE = 'PB002';
     END IF;
-    -- Alive and still holding the lock (a lock lost to pg_advisory_unlock_all()
+    -- A TTL lease must not have expired; a session lease's holder must be
+    -- alive and still hold the lock (a lock lost to pg_advisory_unlock_all()
     -- or DISCARD ALL counts as gone: another session could claim any moment).
-    IF NOT pgbroker._lease_alive(v_lease.holder_pid, v_lease.holder_backend_start, v_lease.lock_key) THEN
+    IF NOT pgbroker._lease_live(v_lease) THEN
+        IF v_lease.expires_at IS NOT NULL THEN
+            RAISE EXCEPTION 'epoch % of lease "%" expired at %', broker_assert.epoch, v_name, v_lease.expires_at
+                USING ERRCODE = 'PB002';
+        END IF;
         RAISE EXCEPTION 'the holder of epoch % of lease "%" (pid %) is gone or no longer holds its lock',
                 broker_assert.epoch, v_name, v_lease.holder_pid
             USING ERRCODE = 'PB002';
@@ -814,11 +952,10 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT coalesce((SELECT l.state = 'held' AND pgbroker._lease_alive(l.holder_pid, l.holder_backend_start, l.lock_key)
-                       FROM pgbroker.lease l WHERE l.name = broker_alive.name), false)
+    SELECT coalesce((SELECT pgbroker._lease_live(l) FROM pgbroker.lease l WHERE l.name = broker_alive.name), false)
 $$;
 COMMENT ON FUNCTION pgbroker.broker_alive(text) IS
-$$True when lease NAME is held and its holder's session exists and holds the lock; false otherwise (also for an unknown name).
+$$True when lease NAME is held and alive: a TTL lease not yet expired, a session lease whose holder's session exists and holds the lock; false otherwise (also for an unknown name).
 Any pgbroker role may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;
 
 -- ---------------------------------------------------------------------------

@@ -9,17 +9,61 @@
 -- work through a pooler in transaction mode.  Locks stack as PostgreSQL's
 -- advisory locks do: a session that acquires a lock twice holds it until it
 -- has released it twice.
+--
+-- A name registered by a transaction that then rolls back is gone, and its
+-- key is never used again (identity values are not given back); a session
+-- lock on that key would name nothing, while another session registers the
+-- name afresh with a new key and takes it too.  So while the registering
+-- transaction is open, session-scope acquires of that name take a
+-- transaction-level lock and count the holds in the row; a deferred trigger
+-- turns them into session locks when the transaction commits.
 
 CREATE TABLE pgbroker.lock_name (
     name text PRIMARY KEY,
     key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT lock_name_key_unique UNIQUE,
-    created_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp()
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    registered_xid xid8 NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    pending_exclusive integer NOT NULL DEFAULT 0,
+    pending_shared integer NOT NULL DEFAULT 0
 );
 COMMENT ON TABLE pgbroker.lock_name IS
     'Names of named locks and their advisory lock keys, registered at first use. Internal: read the view pgbroker.locks.';
 COMMENT ON COLUMN pgbroker.lock_name.name IS 'The lock name, verbatim (1 to 200 bytes).';
 COMMENT ON COLUMN pgbroker.lock_name.key IS 'Second key of its advisory lock (the first is 1885823596, ''pgbl'').';
 COMMENT ON COLUMN pgbroker.lock_name.created_at IS 'When the name was first used.';
+COMMENT ON COLUMN pgbroker.lock_name.registered_xid IS 'Internal: the transaction that registered the name.';
+COMMENT ON COLUMN pgbroker.lock_name.pending_exclusive IS 'Internal: exclusive session holds taken by the registering transaction, made session locks at its commit.';
+COMMENT ON COLUMN pgbroker.lock_name.pending_shared IS 'Internal: shared session holds taken by the registering transaction, made session locks at its commit.';
+
+CREATE FUNCTION pgbroker._lock_name_commit()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_row pgbroker.lock_name;
+BEGIN
+    SELECT * INTO v_row FROM pgbroker.lock_name WHERE key = NEW.key;
+    -- This transaction holds the transaction-level locks: these succeed at once.
+    FOR i IN 1 .. coalesce(v_row.pending_exclusive, 0) LOOP
+        PERFORM pg_advisory_lock(1885823596, v_row.key);
+    END LOOP;
+    FOR i IN 1 .. coalesce(v_row.pending_shared, 0) LOOP
+        PERFORM pg_advisory_lock_shared(1885823596, v_row.key);
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lock_name_commit() IS
+    'Internal deferred trigger: when the transaction that registered a lock name commits, turn its pending session holds into session locks.';
+
+CREATE CONSTRAINT TRIGGER _650_lock_at_commit
+    AFTER INSERT ON pgbroker.lock_name
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION pgbroker._lock_name_commit();
+COMMENT ON TRIGGER _650_lock_at_commit ON pgbroker.lock_name IS
+    'Takes the session locks that the registering transaction acquired, when it commits (none if it rolls back).';
 
 -- Names and keys of the primitives: 1 to 200 bytes of any text.
 CREATE FUNCTION pgbroker._check_key(p_value text, p_what text)
@@ -44,17 +88,18 @@ COMMENT ON FUNCTION pgbroker._check_key(text, text) IS
 -- name, the insert waits for that transaction, at most p_wait (1 ms for
 -- '0'); NULL when that ran out (the caller then reports "not acquired").
 CREATE FUNCTION pgbroker._lock_key(p_name text, p_wait interval)
-RETURNS integer
+RETURNS pgbroker.lock_name
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_row pgbroker.lock_name;
     v_key integer;
     v_timeout text;
 BEGIN
-    SELECT key INTO v_key FROM pgbroker.lock_name WHERE name = p_name;
+    SELECT * INTO v_row FROM pgbroker.lock_name WHERE name = p_name;
     IF FOUND THEN
-        RETURN v_key;
+        RETURN v_row;
     END IF;
     v_timeout := current_setting('lock_timeout');
     BEGIN
@@ -65,14 +110,12 @@ BEGIN
         PERFORM set_config('lock_timeout', v_timeout, true);
         RETURN NULL;
     END;
-    IF v_key IS NULL THEN
-        SELECT key INTO v_key FROM pgbroker.lock_name WHERE name = p_name;
-    END IF;
-    RETURN v_key;
+    SELECT * INTO v_row FROM pgbroker.lock_name WHERE name = p_name;
+    RETURN v_row;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._lock_key(text, interval) IS
-    'Internal: the advisory lock key of name p_name, registered at first use (waiting at most p_wait for a concurrent registration; NULL when that ran out).';
+    'Internal: the registry row (advisory lock key) of name p_name, registered at first use (waiting at most p_wait for a concurrent registration; NULL when that ran out).';
 
 CREATE FUNCTION pgbroker.lock_acquire(name text, wait interval DEFAULT NULL, shared boolean DEFAULT false,
                                       xact boolean DEFAULT false)
@@ -84,15 +127,30 @@ AS $$
 DECLARE
     v_name text := pgbroker._check_key(lock_acquire.name, 'lock name');
     v_ms text := pgbroker._wait_ms(lock_acquire.wait);   -- 22023 when negative
+    v_row pgbroker.lock_name;
     v_key integer;
     v_timeout text;
 BEGIN
     IF lock_acquire.shared IS NULL OR lock_acquire.xact IS NULL THEN
         RAISE EXCEPTION 'shared and xact must not be NULL' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    v_key := pgbroker._lock_key(v_name, lock_acquire.wait);
+    v_row := pgbroker._lock_key(v_name, lock_acquire.wait);
+    v_key := v_row.key;
     IF v_key IS NULL THEN
         RETURN false;
+    END IF;
+    IF NOT lock_acquire.xact AND v_row.registered_xid = pg_current_xact_id_if_assigned() THEN
+        -- Registered by this open transaction: nobody else can see the name
+        -- yet.  Hold it for the transaction and take the session lock at
+        -- commit (see _lock_name_commit), so a rollback leaves no lock behind.
+        IF lock_acquire.shared THEN
+            PERFORM pg_advisory_xact_lock_shared(1885823596, v_key);
+            UPDATE pgbroker.lock_name SET pending_shared = pending_shared + 1 WHERE key = v_key;
+        ELSE
+            PERFORM pg_advisory_xact_lock(1885823596, v_key);
+            UPDATE pgbroker.lock_name SET pending_exclusive = pending_exclusive + 1 WHERE key = v_key;
+        END IF;
+        RETURN true;
     END IF;
     IF lock_acquire.wait = '0'::interval THEN
         RETURN CASE WHEN lock_acquire.xact THEN
@@ -142,14 +200,25 @@ SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is n
 AS $$
 DECLARE
     v_name text := pgbroker._check_key(lock_release.name, 'lock name');
+    v_row pgbroker.lock_name;
     v_key integer;
 BEGIN
     IF lock_release.shared IS NULL THEN
         RAISE EXCEPTION 'shared must not be NULL' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    SELECT key INTO v_key FROM pgbroker.lock_name l WHERE l.name = v_name;
+    SELECT * INTO v_row FROM pgbroker.lock_name l WHERE l.name = v_name;
     IF NOT FOUND THEN
         RETURN false;
+    END IF;
+    v_key := v_row.key;
+    IF v_row.registered_xid = pg_current_xact_id_if_assigned() THEN
+        -- Registered by this open transaction: give back a pending hold.
+        IF lock_release.shared THEN
+            UPDATE pgbroker.lock_name SET pending_shared = pending_shared - 1 WHERE key = v_key AND pending_shared > 0;
+        ELSE
+            UPDATE pgbroker.lock_name SET pending_exclusive = pending_exclusive - 1 WHERE key = v_key AND pending_exclusive > 0;
+        END IF;
+        RETURN FOUND;
     END IF;
     RETURN CASE WHEN lock_release.shared THEN pg_advisory_unlock_shared(1885823596, v_key)
                 ELSE pg_advisory_unlock(1885823596, v_key) END;

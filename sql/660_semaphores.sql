@@ -17,11 +17,18 @@
 -- semaphore_acquire() with a WAIT cannot receive notifications inside one
 -- statement: it waits in the lock manager on one held permit at a time, in
 -- turn, for at most 100 ms each, trying every permit between two waits.
+--
+-- Permits registered by a transaction that then rolls back are gone, and
+-- their keys are never used again: as for named locks (650_locks.sql), a
+-- permit registered by the open transaction is held for the transaction and
+-- turned into a session lock when it commits.
 
 CREATE TABLE pgbroker.semaphore_permit (
     name text NOT NULL,
     permit integer NOT NULL,
     key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT semaphore_permit_key_unique UNIQUE,
+    registered_xid xid8 NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    pending integer NOT NULL DEFAULT 0,
     PRIMARY KEY (name, permit)
 );
 COMMENT ON TABLE pgbroker.semaphore_permit IS
@@ -29,6 +36,56 @@ COMMENT ON TABLE pgbroker.semaphore_permit IS
 COMMENT ON COLUMN pgbroker.semaphore_permit.name IS 'The semaphore name, verbatim (1 to 200 bytes).';
 COMMENT ON COLUMN pgbroker.semaphore_permit.permit IS 'Permit number, 1 to the largest limit used with this name.';
 COMMENT ON COLUMN pgbroker.semaphore_permit.key IS 'Second key of the permit''s advisory lock (the first is 1885823597, ''pgbm'').';
+COMMENT ON COLUMN pgbroker.semaphore_permit.registered_xid IS 'Internal: the transaction that registered the permit.';
+COMMENT ON COLUMN pgbroker.semaphore_permit.pending IS 'Internal: holds taken by the registering transaction, made session locks at its commit.';
+
+CREATE FUNCTION pgbroker._semaphore_permit_commit()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- This transaction holds the transaction-level lock: this succeeds at once.
+    FOR i IN 1 .. coalesce((SELECT p.pending FROM pgbroker.semaphore_permit p WHERE p.key = NEW.key), 0) LOOP
+        PERFORM pg_advisory_lock(1885823597, NEW.key);
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._semaphore_permit_commit() IS
+    'Internal deferred trigger: when the transaction that registered a permit commits, turn its pending holds into session locks.';
+
+CREATE CONSTRAINT TRIGGER _660_permit_at_commit
+    AFTER INSERT ON pgbroker.semaphore_permit
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION pgbroker._semaphore_permit_commit();
+COMMENT ON TRIGGER _660_permit_at_commit ON pgbroker.semaphore_permit IS
+    'Takes the permits that the registering transaction acquired, when it commits (none if it rolls back).';
+
+-- Try permits 1..cardinality(p_keys) once; the permit number taken, or NULL.
+CREATE FUNCTION pgbroker._semaphore_try(p_keys integer[], p_own boolean[])
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    FOR i IN 1 .. cardinality(p_keys) LOOP
+        IF p_own[i] THEN
+            -- Registered by this open transaction (see above).
+            IF pg_try_advisory_xact_lock(1885823597, p_keys[i]) THEN
+                UPDATE pgbroker.semaphore_permit SET pending = pending + 1 WHERE key = p_keys[i];
+                RETURN i;
+            END IF;
+        ELSIF pg_try_advisory_lock(1885823597, p_keys[i]) THEN
+            RETURN i;
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._semaphore_try(integer[], boolean[]) IS
+    'Internal: try each permit once (p_own: registered by this open transaction); the permit number taken, or NULL.';
 
 -- The lock keys of permits 1..p_limit of semaphore p_name, registering the
 -- missing ones (waiting at most p_wait for a concurrent registration; NULL
@@ -72,6 +129,7 @@ COMMENT ON FUNCTION pgbroker._semaphore_keys(text, integer, interval) IS
 CREATE FUNCTION pgbroker.semaphore_channel(name text)
 RETURNS text
 LANGUAGE sql IMMUTABLE
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT 'pgbroker_semaphore_' || md5(pgbroker._check_key(semaphore_channel.name, 'semaphore name')) $$;
 COMMENT ON FUNCTION pgbroker.semaphore_channel(text) IS
@@ -87,6 +145,8 @@ DECLARE
     v_name text := pgbroker._check_key(semaphore_acquire.name, 'semaphore name');
     v_ms text := pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 when negative
     v_keys integer[];
+    v_own boolean[];
+    v_got integer;
     v_deadline timestamptz;
     v_watch integer;
     v_timeout text;
@@ -99,13 +159,11 @@ BEGIN
     IF v_keys IS NULL THEN
         RETURN NULL;
     END IF;
-    FOR i IN 1 .. semaphore_acquire."limit" LOOP
-        IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
-            RETURN i;
-        END IF;
-    END LOOP;
-    IF semaphore_acquire.wait = '0'::interval THEN
-        RETURN NULL;
+    SELECT array_agg(p.registered_xid IS NOT DISTINCT FROM pg_current_xact_id_if_assigned() ORDER BY p.permit) INTO v_own
+      FROM pgbroker.semaphore_permit p WHERE p.name = v_name AND p.permit <= semaphore_acquire."limit";
+    v_got := pgbroker._semaphore_try(v_keys, v_own);
+    IF v_got IS NOT NULL OR semaphore_acquire.wait = '0'::interval THEN
+        RETURN v_got;
     END IF;
     v_deadline := clock_timestamp() + semaphore_acquire.wait;   -- NULL: no deadline
     v_watch := pg_backend_pid() % semaphore_acquire."limit";
@@ -122,11 +180,10 @@ BEGIN
         EXCEPTION WHEN lock_not_available THEN
             PERFORM set_config('lock_timeout', v_timeout, true);
         END;
-        FOR i IN 1 .. semaphore_acquire."limit" LOOP
-            IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
-                RETURN i;
-            END IF;
-        END LOOP;
+        v_got := pgbroker._semaphore_try(v_keys, v_own);
+        IF v_got IS NOT NULL THEN
+            RETURN v_got;
+        END IF;
     END LOOP;
     RETURN NULL;
 END
@@ -151,7 +208,13 @@ DECLARE
 BEGIN
     -- The highest permit this session holds, so that low numbers stay in use.
     FOR v_permit IN SELECT * FROM pgbroker.semaphore_permit p WHERE p.name = v_name ORDER BY p.permit DESC LOOP
-        IF pg_advisory_unlock(1885823597, v_permit.key) THEN
+        IF v_permit.registered_xid = pg_current_xact_id_if_assigned() THEN
+            -- Registered by this open transaction: give back a pending hold.
+            IF v_permit.pending > 0 THEN
+                UPDATE pgbroker.semaphore_permit SET pending = pending - 1 WHERE key = v_permit.key;
+                RETURN true;
+            END IF;
+        ELSIF pg_advisory_unlock(1885823597, v_permit.key) THEN
             PERFORM pg_notify(pgbroker.semaphore_channel(v_name), v_permit.permit::text);
             RETURN true;
         END IF;

@@ -46,8 +46,9 @@ TO pgbroker_reader;
 
 -- Brokers: the lease, broker state, clients, subscriptions and delivery.
 GRANT EXECUTE ON FUNCTION
-    pgbroker.broker_claim(text, interval, boolean, interval, text),
-    pgbroker.broker_release(text),
+    pgbroker.broker_claim(text, interval, boolean, interval, text, text, interval),
+    pgbroker.broker_release(text, text),
+    pgbroker.broker_renew(text, text, interval),
     pgbroker.broker_heartbeat(text),
     pgbroker.broker_assert(text, bigint),
     pgbroker.broker_alive(text),

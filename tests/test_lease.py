@@ -90,19 +90,37 @@ def test_wait_forever_until_the_holder_disconnects(connect):
     assert f"session of pid {a_pid}" in last["reason"] and "ended" in last["reason"]
 
 
-def test_reclaim_by_the_holder_returns_the_same_epoch_without_stacking(connect):
+def test_reclaim_by_the_same_owner_returns_the_same_epoch_without_stacking(connect):
     a, b = connect("A"), connect("B")
     pid = a.info.backend_pid
-    epoch = claim(a)
-    assert claim(a) == epoch
-    assert claim(a, wait=None) == epoch
+    epoch = claim(a, owner="a-1")
+    assert claim(a, owner="a-1") == epoch
+    assert claim(a, owner="a-1", wait=None) == epoch
     with a.transaction():
-        assert claim(a) == epoch
+        assert claim(a, owner="a-1") == epoch
     assert advisory_locks(b, pid) == [(pid, advisory_locks(b)[0][1], True)]
     assert [e["event"] for e in history(b)] == ["claim"]
-    assert release(a) is True
+    assert release(a) is False  # the claim gave an owner: a bare release is another caller's
+    assert a.execute("SELECT pgbroker.broker_release('default', 'a-1')").fetchone()[0] is True
     assert advisory_locks(b, pid) == []
     assert claim(b) == epoch + 1
+
+
+@pytest.mark.parametrize("first, again", [(None, None), (None, "x"), ("x", None), ("x", "y")])
+def test_reclaim_that_cannot_prove_the_same_caller_is_refused(connect, first, again):
+    """A server session may carry several callers (a pooler in transaction mode):
+    a re-claim without the claim's owner token is refused with PB003, naming the
+    holder, and changes nothing."""
+    a, b = connect("A"), connect("B")
+    epoch = claim(a, **({"owner": first} if first else {}))
+    with pytest.raises(psycopg.Error) as info:
+        claim(a, **({"owner": again} if again else {}))
+    assert info.value.sqlstate == "PB003"
+    assert "already held by this server session" in info.value.diag.message_primary
+    assert json.loads(info.value.diag.message_detail)["epoch"] == epoch
+    row = lease_row(b)
+    assert (row["epoch"], row["alive"]) == (epoch, True)
+    assert [e["event"] for e in history(b)] == ["claim"]
 
 
 def test_reclaim_after_the_session_lost_its_lock_claims_anew(connect):
@@ -171,9 +189,10 @@ def test_epochs_strictly_increase_and_are_never_reused(connect):
     assert committed == sorted(committed) and len(set(committed)) == len(committed)
     assert len(set(seen)) == len(seen), f"an epoch was handed out twice: {seen}"
     assert seen == sorted(seen)
-    assert claim(a) > max(seen)
+    last = claim(a)
+    assert last > max(seen)
     events = history(a)
-    assert [e["epoch"] for e in events if e["event"] == "claim"] == [*committed, claim(a)]
+    assert [e["epoch"] for e in events if e["event"] == "claim"] == [*committed, last]
 
 
 # ---------------------------------------------------------------------------
@@ -185,7 +204,9 @@ def test_bound_parameters_behave_like_literal_sql(connect, prepare):
     a, b, c = connect("A"), connect("B"), connect("C", autocommit=False)
     sql = "SELECT pgbroker.broker_claim(%s, %s)"
     epoch = a.execute(sql, ("bound", "0"), prepare=prepare).fetchone()[0]
-    assert a.execute(sql, ("bound", "0"), prepare=prepare).fetchone()[0] == epoch  # re-claim
+    with pytest.raises(psycopg.Error) as reclaim:  # a bare re-claim: refused, nothing changed
+        a.execute(sql, ("bound", "0"), prepare=prepare)
+    assert reclaim.value.sqlstate == "PB003"
     assert len(advisory_locks(b, a.info.backend_pid)) == 1
     for _ in range(2):  # a prepared statement is really used from the second run on
         with pytest.raises(errors.LockNotAvailable):

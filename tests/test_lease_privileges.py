@@ -74,8 +74,8 @@ def test_a_role_without_pgbroker_roles_can_do_nothing(connect, held):
 
 def test_broker_claims_releases_heartbeats_and_asserts(connect):
     broker, other = connect("broker", user="t_broker"), connect("other", user="t_broker")
-    epoch = claim(broker)
-    assert claim(broker, wait="1s", stale_after="1h", info="host-1") == epoch
+    epoch = claim(broker, owner="b-1")
+    assert claim(broker, wait="1s", stale_after="1h", info="host-1", owner="b-1") == epoch
     assert broker.execute("SELECT pgbroker.broker_heartbeat()").fetchone()[0] is not None
     broker.execute("SELECT pgbroker.broker_assert('default', %s)", (epoch,))
     other.execute("SELECT pgbroker.broker_assert('default', %s)", (epoch,))
@@ -83,7 +83,7 @@ def test_broker_claims_releases_heartbeats_and_asserts(connect):
     assert broker.execute("SELECT pgbroker.broker_state_delete('default', 'k')").fetchone()[0] is True
     with pytest.raises(errors.LockNotAvailable):
         claim(other)
-    assert release(broker) is True
+    assert broker.execute("SELECT pgbroker.broker_release('default', 'b-1')").fetchone()[0] is True
     assert claim(other) == epoch + 1
     for table in TABLES:
         _denied(broker, f"SELECT * FROM {table}")
@@ -118,8 +118,8 @@ def test_broker_cannot_forge_a_takeover_through_the_internal_claim(connect, held
     broker, obs = connect("broker", user="t_broker"), connect("obs")
     before = history(obs)
     for sql in [
-        "SELECT pgbroker._lease_claim('default', '0', pg_backend_pid(), NULL, 'forged')",
-        "SELECT pgbroker._lease_claim('default', '0', NULL, '-1 hour', NULL)",
+        "SELECT pgbroker._lease_claim('default', '0', pg_backend_pid(), NULL, 'forged', NULL, NULL, false)",
+        "SELECT pgbroker._lease_claim('default', '0', NULL, '-1 hour', NULL, NULL, NULL, true)",
     ]:
         assert "permission denied for function _lease_claim" in _denied(broker, sql)
     assert holder.execute("SELECT 1").fetchone() == (1,)
@@ -201,9 +201,9 @@ def test_hostile_search_path_changes_nothing(connect, evil, search_path):
         conn.execute("CREATE TEMP TABLE lease (LIKE evil.lease)")
         conn.execute("CREATE TEMP TABLE pg_locks (pid integer, granted boolean)")
         conn.execute(f"SET search_path = {search_path}")
-    epoch = a.execute("SELECT pgbroker.broker_claim()").fetchone()[0]
+    epoch = a.execute("SELECT pgbroker.broker_claim(owner => 'a')").fetchone()[0]
     assert epoch == 1
-    assert a.execute("SELECT pgbroker.broker_claim()").fetchone()[0] == epoch
+    assert a.execute("SELECT pgbroker.broker_claim(owner => 'a')").fetchone()[0] == epoch
     with pytest.raises(errors.LockNotAvailable):  # the lock is real
         b.execute("SELECT pgbroker.broker_claim()")
     with pytest.raises(errors.InsufficientPrivilege):  # and takeover still checked
@@ -214,7 +214,7 @@ def test_hostile_search_path_changes_nothing(connect, evil, search_path):
     assert (row["holder_pid"], row["alive"]) == (a.info.backend_pid, True)
     assert row["claimed_at"].year > 2000
     assert len(advisory_locks(evil, a.info.backend_pid)) == 1
-    assert a.execute("SELECT pgbroker.broker_release()").fetchone()[0] is True
+    assert a.execute("SELECT pgbroker.broker_release(owner => 'a')").fetchone()[0] is True
     assert advisory_locks(evil, a.info.backend_pid) == []
     assert b.execute("SELECT pgbroker.broker_claim()").fetchone()[0] == epoch + 1
     for conn in (a, b):

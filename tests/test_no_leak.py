@@ -206,13 +206,13 @@ def test_set_constraints_immediate_rollback_leak_is_swept(connect, existing):
 
 def test_set_constraints_immediate_rollback_sweep_keeps_held_leases(connect):
     a, obs = connect("A"), connect("obs")
-    held = claim(a, "held")
+    held = claim(a, "held", owner="a")
     a.execute("BEGIN")
     claim(a)
     a.execute("SET CONSTRAINTS ALL IMMEDIATE")
     a.execute("ROLLBACK")
     assert len(advisory_locks(obs, a.info.backend_pid)) == 2
-    assert claim(a, "held") == held  # a re-claim sweeps too, and keeps what is held
+    assert claim(a, "held", owner="a") == held  # a re-claim sweeps too, and keeps what is held
     assert len(advisory_locks(obs, a.info.backend_pid)) == 1
     row = lease_row(obs, "held")
     assert (row["epoch"], row["alive"]) == (held, True)

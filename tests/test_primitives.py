@@ -210,11 +210,6 @@ def test_semaphore_bound_release_and_notify(connect: Connect):
     assert row == (2, 2, [conns[2].info.backend_pid, conns[1].info.backend_pid], 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SQL bug: semaphore_channel() is not SECURITY DEFINER and calls pgbroker._check_key(), "
-    "which pgbroker_user may not execute (42501)",
-)
 def test_pgbroker_user_may_call_semaphore_channel(connect: Connect):
     conn = connect("U", user="t_user")
     with pytest.raises(psycopg.errors.InvalidParameterValue):

@@ -315,37 +315,46 @@ def test_kv_compare_and_set(tmp_path: Path, db_url: str, connect: Callable[..., 
 
 
 # ---------------------------------------------------------------------------
-# Known SQL bugs (strict xfail: they turn into failures, to be flipped, once fixed)
+# A name (or permit) first registered inside a transaction that rolls back:
+# the registration is gone, and so is the hold that transaction took on it
+# (it was a transaction-level lock, to become a session lock at commit), so
+# the name never has two holders under two keys.
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SQL bug: a name registered inside a transaction that rolls back loses its lock_name row, but the"
-    " session-level advisory lock on the old key stays held; the next session registers a new key and acquires"
-    " it too (two holders), and lock_release() of the first returns false, stranding its lock",
-)
-def test_lock_first_acquired_in_a_rolled_back_transaction_still_excludes(
+def test_lock_first_acquired_in_a_rolled_back_transaction_is_not_held(
     connect: Callable[..., psycopg.Connection],
 ) -> None:
     a, b = connect("A"), connect("B")
     a.execute("BEGIN")
     assert a.execute("SELECT pgbroker.lock_acquire('fresh', '0')").fetchone()[0] is True
-    a.execute("ROLLBACK")  # session scope: A still holds the lock after the rollback
-    assert b.execute("SELECT pgbroker.lock_acquire('fresh', '0')").fetchone()[0] is False, "two holders of 'fresh'"
-    assert a.execute("SELECT pgbroker.lock_release('fresh')").fetchone()[0] is True
+    a.execute("ROLLBACK")  # the registration and the hold go together
+    assert a.execute("SELECT pgbroker.lock_release('fresh')").fetchone()[0] is False
+    assert b.execute("SELECT pgbroker.lock_acquire('fresh', '0')").fetchone()[0] is True
+    assert a.execute("SELECT pgbroker.lock_acquire('fresh', '0')").fetchone()[0] is False, "two holders of 'fresh'"
+    holders = b.execute("SELECT holder_pid FROM pgbroker.locks WHERE name = 'fresh'").fetchall()
+    assert holders == [(b.info.backend_pid,)]
+    # Committed, the same hold becomes a session lock that outlives the transaction.
+    a.execute("BEGIN")
+    assert a.execute("SELECT pgbroker.lock_acquire('kept', '0')").fetchone()[0] is True
+    a.execute("COMMIT")
+    assert b.execute("SELECT pgbroker.lock_acquire('kept', '0')").fetchone()[0] is False
+    assert a.execute("SELECT pgbroker.lock_release('kept')").fetchone()[0] is True
+    assert b.execute("SELECT pgbroker.lock_acquire('kept', '0')").fetchone()[0] is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SQL bug: permits registered inside a transaction that rolls back lose their semaphore_permit rows,"
-    " but the session-level advisory lock stays held; the next session registers new keys and gets the same"
-    " permit number: limit 1 with two holders",
-)
 def test_semaphore_first_acquired_in_a_rolled_back_transaction_keeps_its_bound(
     connect: Callable[..., psycopg.Connection],
 ) -> None:
     a, b = connect("A"), connect("B")
     a.execute("BEGIN")
     assert a.execute("SELECT pgbroker.semaphore_acquire('fresh', 1)").fetchone()[0] == 1
-    a.execute("ROLLBACK")  # session scope: A still holds its permit after the rollback
-    assert b.execute("SELECT pgbroker.semaphore_acquire('fresh', 1)").fetchone()[0] is None, "two holders, limit 1"
+    a.execute("ROLLBACK")
+    assert b.execute("SELECT pgbroker.semaphore_acquire('fresh', 1)").fetchone()[0] == 1
+    assert a.execute("SELECT pgbroker.semaphore_acquire('fresh', 1)").fetchone()[0] is None, "two holders, limit 1"
+    assert a.execute("SELECT pgbroker.semaphore_release('fresh')").fetchone()[0] is False
+    a.execute("BEGIN")
+    assert a.execute("SELECT pgbroker.semaphore_acquire('kept', 1)").fetchone()[0] == 1
+    a.execute("COMMIT")
+    assert b.execute("SELECT pgbroker.semaphore_acquire('kept', 1)").fetchone()[0] is None
+    assert a.execute("SELECT pgbroker.semaphore_release('kept')").fetchone()[0] is True
+    assert b.execute("SELECT pgbroker.semaphore_acquire('kept', 1)").fetchone()[0] == 1

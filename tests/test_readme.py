@@ -31,7 +31,7 @@ def steps(block: str) -> list[tuple[int, str, str | None, bool]]:
     session, pending = 1, ""
     for line in block.splitlines():
         stripped = line.strip()
-        if not pending and stripped.startswith("--"):
+        if not pending.strip() and stripped.startswith("--"):
             if m := _SESSION.match(stripped):
                 session = int(m.group(1))
             elif stripped.startswith("-- ERROR:") and out:
