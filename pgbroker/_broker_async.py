@@ -160,7 +160,7 @@ class AsyncBroker(_BrokerBase):
             raise LeaseLost(f'lease "{self.name}" is not held by this broker (it is {self._state})')
         await self._stop_heartbeats()
         try:
-            released = await self._scalar(RELEASE_SQL, {"name": self.name})
+            released = await self._scalar(RELEASE_SQL, {"name": self.name, "owner": self.owner})
         except BaseException:
             if self._state == "held":
                 self._start_heartbeats()

@@ -148,7 +148,7 @@ class Broker(_BrokerBase):
             raise LeaseLost(f'lease "{self.name}" is not held by this broker (it is {self._state})')
         self._stop_heartbeats()
         try:
-            released = self._scalar(RELEASE_SQL, {"name": self.name})
+            released = self._scalar(RELEASE_SQL, {"name": self.name, "owner": self.owner})
         except BaseException:
             if self._state == "held":
                 self._start_heartbeats()

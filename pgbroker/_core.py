@@ -16,6 +16,7 @@ import selectors
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,10 +46,10 @@ SCHEMA_VERSION_SQL = "SELECT pgbroker.schema_version()"
 DEAD_MAN_SQL = "SELECT pg_catalog.set_config('idle_session_timeout', %(ms)s, false)"
 CLAIM_SQL = (
     "SELECT pgbroker.broker_claim(name => %(name)s, wait => %(wait)s, takeover => %(takeover)s,"
-    " stale_after => %(stale_after)s, info => %(info)s)"
+    " stale_after => %(stale_after)s, info => %(info)s, owner => %(owner)s)"
 )
 HEARTBEAT_SQL = "SELECT pgbroker.broker_heartbeat(name => %(name)s)"
-RELEASE_SQL = "SELECT pgbroker.broker_release(name => %(name)s)"
+RELEASE_SQL = "SELECT pgbroker.broker_release(name => %(name)s, owner => %(owner)s)"
 ASSERT_SQL = "SELECT pgbroker.broker_assert(name => %(name)s, epoch => %(epoch)s)"
 STATE_SET_SQL = "SELECT pgbroker.broker_state_set(name => %(name)s, key => %(key)s, value => %(value)s)"
 STATE_DELETE_SQL = "SELECT pgbroker.broker_state_delete(name => %(name)s, key => %(key)s)"
@@ -213,6 +214,7 @@ class _BrokerBase:
         takeover: bool = False,
         stale_after: float | timedelta | None = None,
         info: str | None = None,
+        owner: str | None = None,
         heartbeat_interval: float = 1.0,
         guard: float | None = None,
         dead_man: float | None = None,
@@ -227,6 +229,10 @@ class _BrokerBase:
         self.takeover = takeover
         self.stale_after = _interval(stale_after, "stale_after")
         self.info = _default_info() if info is None else info
+        # The owner token binds the lease to this Broker object, not to the
+        # server session: a claim from another caller that lands on the same
+        # session (a pooler in transaction mode) is refused with PB003.
+        self.owner = uuid.uuid4().hex if owner is None else owner
         self.keepalive = keepalive or Keepalive()
         self.dead_man = dead_man
         self.heartbeat_interval = float(heartbeat_interval)
@@ -349,6 +355,7 @@ class _BrokerBase:
             "takeover": self.takeover,
             "stale_after": self.stale_after,
             "info": self.info,
+            "owner": self.owner,
         }
 
     def _classify(self, conn: psycopg.BaseConnection[Any], exc: psycopg.Error) -> Exception:

@@ -21,6 +21,7 @@ import psycopg
 __all__ = [
     "PgBrokerError",
     "LeaseHeld",
+    "OwnerMismatch",
     "SchemaMissing",
     "SchemaMismatch",
     "TableBusy",
@@ -146,6 +147,14 @@ class PoolerNotSupported(PgBrokerError):
     """
 
 
+class OwnerMismatch(LeaseHeld):
+    """PB003: this server session already holds the lease for another owner token (or a bare claim).
+
+    Behind a pooler in transaction mode that is another caller whose claim
+    landed on the same server session; ``pid``, ``epoch`` and ``since`` name it.
+    """
+
+
 class SchemaMissing(PgBrokerError):
     """pgbroker is not installed in the database (no ``pgbroker.schema_version()``): run ``pgbroker migrate``."""
 
@@ -156,6 +165,8 @@ class SchemaMismatch(SchemaMissing):
 
 _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "55P03": LeaseHeld,
+    "PB003": OwnerMismatch,
+    "22003": InvalidArgument,
     "PB001": NotHolder,
     "PB002": StaleEpoch,
     "42501": PermissionDenied,

@@ -20,6 +20,7 @@ from pgbroker.errors import (
     NotHolder,
     NotWatchable,
     NotWatched,
+    OwnerMismatch,
     PermissionDenied,
     PgBrokerError,
     SchemaMismatch,
@@ -53,11 +54,19 @@ def holder(connect: Connect, name: str = "default") -> psycopg.Connection:
 # as setup or user runs the statement from a session that holds the lease with client c1.
 CASES = [
     ("55P03", LeaseHeld, "claimed", "postgres", "SELECT pgbroker.broker_claim()"),
+    ("PB003", OwnerMismatch, "holder", "holder", "SELECT pgbroker.broker_claim()"),
     ("PB001", NotHolder, None, "postgres", "SELECT pgbroker.broker_heartbeat()"),
     ("PB002", StaleEpoch, None, "postgres", "SELECT pgbroker.broker_assert('default', 99)"),
     ("42501", PermissionDenied, None, "t_none", "SELECT pgbroker.broker_claim()"),
     ("22023", InvalidArgument, None, "postgres", "SELECT pgbroker.broker_claim('')"),
     ("22004", InvalidArgument, None, "postgres", "SELECT pgbroker.broker_claim(NULL)"),
+    (
+        "22003",
+        InvalidArgument,
+        "SELECT pgbroker.counter_add('big', 9223372036854775807)",
+        "postgres",
+        "SELECT pgbroker.counter_add('big', 1)",
+    ),
     ("22P02", InvalidArgument, "holder", "postgres", "SELECT pgbroker.subscribe('c1', 'initech.objects', '\"x\"')"),
     ("42602", InvalidArgument, "holder", "postgres", "SELECT pgbroker.subscribe('c1', '\"bad', '1')"),
     ("PB010", UnknownClient, "holder", "postgres", "SELECT pgbroker.client_update('nobody', '{}')"),
