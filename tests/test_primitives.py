@@ -41,7 +41,9 @@ from pgbroker import (
     NotAcquired,
     PgBrokerError,
     Semaphore,
+    primitives,
 )
+from pgbroker._primitives_core import pooler_verdict
 
 Connect = Callable[..., psycopg.Connection]
 
@@ -692,6 +694,40 @@ def test_sigkilled_holder_frees_at_once(db_url: str, connect: Connect, kind: str
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_sigkilled_permit_holder_reaches_a_listening_waiter_within_the_fallback(db_url: str, connect: Connect):
+    """A crashed holder sends no NOTIFY: a Python waiter gets the permit at its next fallback retry (<= 0.25 s)."""
+    url = db_url.replace("postgres@", "t_user@", 1)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, url, "semaphore"], stdout=subprocess.PIPE, text=True)
+    try:
+        holder_pid = int(holder.stdout.readline())
+        waiter = Semaphore(connect("waiter", user=SEM_USER), "crash", limit=1, timeout=5)
+        thread, out = in_thread(waiter.acquire)
+        admin = connect("admin")
+        time.sleep(0.15)  # the waiter has tried and waits
+        assert "value" not in out and "error" not in out
+        killed = time.monotonic()
+        holder.send_signal(signal.SIGKILL)
+        wait_for(lambda: one(admin, "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = %s)", holder_pid))
+        thread.join(5)
+        assert out.get("value") == 1, out
+        elapsed = out["at"] - killed
+        print(f"semaphore: SIGKILLed holder -> LISTENing Python waiter holds the permit after {elapsed * 1000:.0f} ms")
+        assert elapsed < primitives.SEMAPHORE_FALLBACK + 0.3
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def test_pooler_verdict():
+    """Direct: the login pid runs every transaction; a pooler: another pid; transaction pooling: two pids."""
+    assert pooler_verdict(100, [100, 100]) is None
+    assert pooler_verdict(100, [100]) is None
+    kind, why = pooler_verdict(7, [100, 100])
+    assert kind == "pooler" and "100" in why and "7" in why
+    kind, why = pooler_verdict(7, [100, 101])
+    assert kind == "transaction" and "transaction mode" in why
 
 
 # ---------------------------------------------------------------------------
