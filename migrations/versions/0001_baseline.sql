@@ -795,11 +795,11 @@ BEGIN
     v_locked_before := NOT v_lost AND pgbroker._lease_touch(v_prev);
 
     v_reason := CASE
+        WHEN v_event = 'takeover' AND v_prev.expires_at IS NOT NULL
+            THEN format('takeover by %s of the TTL lease of epoch %s', session_user, v_prev.epoch)
         WHEN v_event = 'takeover' THEN format('takeover by %s: terminated pid %s (epoch %s)', session_user, v_killed, v_prev.epoch)
         WHEN v_event = 'stale_takeover' THEN format('heartbeat of pid %s (epoch %s) was %s old, stale_after %s: terminated',
                                                   v_killed, v_prev.epoch, clock_timestamp() - v_prev.heartbeat_at, p_stale_after)
-        WHEN v_event = 'takeover' AND v_prev.expires_at IS NOT NULL
-            THEN format('takeover by %s of the TTL lease of epoch %s', session_user, v_prev.epoch)
         WHEN v_prev.state = 'new' THEN 'first claim'
         WHEN v_prev.state = 'released' THEN format('epoch %s was released', v_prev.epoch)
         WHEN v_prev.expires_at IS NOT NULL THEN format('the TTL lease of epoch %s expired at %s', v_prev.epoch, v_prev.expires_at)
