@@ -160,6 +160,23 @@ def test_wait_times_out_and_never_collides_with_plain_advisory_locks(connect: Co
     assert one(b, "SELECT pg_try_advisory_lock(%s)", 1885823596 * 2**32 + key) is True
 
 
+def test_views_count_blocked_waiters(connect: Connect):
+    a, b, c, admin = connect("A", user="t_user"), connect("B", user="t_user"), connect("C", user="t_user"), connect()
+    reader = connect("R", user="t_reader")
+    assert acquire(a, "busy") and sem(a, "busy-sem", 1) == 1
+    lock_waiter, lock_out = in_thread(lambda: acquire(b, "busy", wait="5 s"))
+    sem_waiter, sem_out = in_thread(lambda: sem(c, "busy-sem", 1, wait="5 s"))
+    wait_for(lambda: blocked(admin, b.info.backend_pid) and blocked(admin, c.info.backend_pid))
+    query = "SELECT holder_pid, waiting, waiting_since IS NOT NULL FROM pgbroker.locks WHERE name = 'busy'"
+    row = reader.execute(query)
+    assert row.fetchone() == (a.info.backend_pid, 1, True)
+    assert one(reader, "SELECT waiting FROM pgbroker.semaphores WHERE name = 'busy-sem'") == 1
+    assert release(a, "busy") and one(a, "SELECT pgbroker.semaphore_release('busy-sem')")
+    lock_waiter.join(5)
+    sem_waiter.join(5)
+    assert lock_out["value"] is True and sem_out["value"] == 1
+
+
 def test_transaction_scoped_lock_ends_with_commit_and_rollback(connect: Connect):
     a, b = connect("A", user="t_user"), connect("B", user="t_user")
     for end in ("COMMIT", "ROLLBACK"):
