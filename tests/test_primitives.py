@@ -47,11 +47,6 @@ from pgbroker._primitives_core import pooler_verdict
 
 Connect = Callable[..., psycopg.Connection]
 
-# The role of connections that wait for a semaphore through LISTEN: pgbroker_user
-# cannot call semaphore_channel() yet (test_pgbroker_user_may_call_semaphore_channel,
-# an SQL bug); switch to "t_user" once that is fixed.
-SEM_USER = "postgres"
-
 
 def one(conn: psycopg.Connection, query: str, *params: Any) -> Any:
     row = conn.execute(query, params).fetchone()
@@ -214,7 +209,7 @@ def test_wait_zero_never_blocks_on_a_name_another_transaction_is_registering(con
 def test_semaphore_bound_release_and_notify(connect: Connect):
     conns = [connect(f"S{i}", user="t_user") for i in range(3)]
     assert [sem(c, "pool", 2) for c in conns] == [1, 2, None]
-    listener = connect("L")  # t_user may not call semaphore_channel: test_pgbroker_user_may_call_semaphore_channel
+    listener = connect("L", user="t_user")
     channel = one(listener, "SELECT pgbroker.semaphore_channel('pool')")
     listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
     assert one(conns[0], "SELECT pgbroker.semaphore_release('pool')") is True
@@ -461,6 +456,22 @@ def test_python_transaction_scoped_lock(connect: Connect):
     assert acquire(b, "tx2") is True
 
 
+def test_python_session_lock_taken_and_released_inside_a_transaction(connect: Connect):
+    """A name first used inside the caller's transaction: released there, or rolled back, nothing stays held."""
+    a, b = connect("A", user="t_user"), connect("B", user="t_user")
+    with a.transaction():
+        with Lock(a, "fresh", timeout=0) as held:
+            assert held.locked
+        assert Lock(a, "fresh", timeout=0).acquire() is True  # and again, kept past the commit
+    assert acquire(b, "fresh") is False
+    assert release(a, "fresh") is True
+    assert acquire(b, "fresh") is True and release(b, "fresh")
+    with pytest.raises(psycopg.errors.DivisionByZero), a.transaction():
+        assert Lock(a, "fresh2", timeout=0).acquire() is True
+        a.execute("SELECT 1/0")
+    assert acquire(b, "fresh2") is True  # the rollback took the registration and the hold
+
+
 def test_python_lock_on_a_non_autocommit_connection_commits_its_own_calls(connect: Connect):
     c, b = connect("C", user="t_user", autocommit=False), connect("B", user="t_user")
     lock = Lock(c, "nac", timeout=0)
@@ -476,7 +487,7 @@ def test_python_lock_on_a_non_autocommit_connection_commits_its_own_calls(connec
 
 
 def test_python_semaphore(connect: Connect):
-    a, b, c = (connect(x, user=SEM_USER) for x in "ABC")
+    a, b, c = (connect(x, user="t_user") for x in "ABC")
     with Semaphore(a, "sem", limit=2) as s1:
         assert s1.permit == 1 and s1.locked
         s2 = Semaphore(b, "sem", limit=2)
@@ -510,7 +521,7 @@ def test_python_semaphore(connect: Connect):
 
 def test_semaphore_release_between_failed_try_and_wait_still_wakes(connect: Connect):
     """The lost-wake-up window, forced: LISTEN, fail, THEN the holder releases, THEN wait."""
-    holder, waiter_conn = connect("H", user="t_user"), connect("W", user=SEM_USER)
+    holder, waiter_conn = connect("H", user="t_user"), connect("W", user="t_user")
     held = Semaphore(holder, "window", limit=1)
     assert held.acquire(timeout=0) == 1  # a try needs no channel
     waiter = Semaphore(waiter_conn, "window", limit=1)
@@ -530,7 +541,7 @@ def test_semaphore_release_between_failed_try_and_wait_still_wakes(connect: Conn
 
 def test_sql_semaphore_window_with_raw_listen(connect: Connect):
     """The documented SQL recipe: LISTEN before the try; a release in between is queued for the waiter."""
-    holder, waiter = connect("H", user="t_user"), connect("W", user=SEM_USER)
+    holder, waiter = connect("H", user="t_user"), connect("W", user="t_user")
     assert sem(holder, "raw", 1) == 1
     channel = one(waiter, "SELECT pgbroker.semaphore_channel('raw')")
     waiter.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
@@ -632,7 +643,7 @@ def test_python_counter(connect: Connect):
 
 def test_async_flavour(db_url: str, connect: Connect):
     other = connect("other", user="t_user")
-    url = db_url.replace("postgres@", f"{SEM_USER}@", 1)
+    url = db_url.replace("postgres@", "t_user@", 1)
 
     async def scenario() -> None:
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -720,7 +731,7 @@ def test_sigkilled_permit_holder_reaches_a_listening_waiter_within_the_fallback(
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, url, "semaphore"], stdout=subprocess.PIPE, text=True)
     try:
         holder_pid = int(holder.stdout.readline())
-        waiter = Semaphore(connect("waiter", user=SEM_USER), "crash", limit=1, timeout=5)
+        waiter = Semaphore(connect("waiter", user="t_user"), "crash", limit=1, timeout=5)
         thread, out = in_thread(waiter.acquire)
         admin = connect("admin")
         time.sleep(0.15)  # the waiter has tried and waits
