@@ -28,7 +28,8 @@ alternately with it (ratio = pgbroker's throughput / the floor's):
 4. Peers, where installed (skipped with the reason otherwise; not installed by CI):
    postgresql-lock (0.1.9 on Python 3.11), pals, tooz's PostgreSQL driver, and
    python-redis-lock against a local ``redis-server`` (Debian: ``apt-get install
-   redis-server``), on the lock cycle of 1., ratio against the same floor.
+   redis-server``), on the lock cycle of 1., each against the raw floor measured
+   alternately with it (for redis, right after it).
 5. Where the lock cycle's time goes: the same cycle as bare PL/pgSQL functions
    around the advisory lock, with SECURITY DEFINER + SET search_path, and with the
    name lookup, 1 process.
@@ -619,7 +620,8 @@ def _peer_available(module: str) -> str | None:
     return None
 
 
-def bench_peers(url: str, cfg: Settings, floors: dict[int, Rate], server_cpu: ServerCpu, results: Results) -> None:
+def bench_peers(url: str, cfg: Settings, server_cpu: ServerCpu, results: Results) -> None:
+    """Each peer's lock cycle against the raw floor measured alternately with it."""
     peers = [
         ("postgresql-lock", "postgresql_lock", "postgresql_lock", url),
         ("pals", "pals", "pals", url),
@@ -632,8 +634,8 @@ def bench_peers(url: str, cfg: Settings, floors: dict[int, Rate], server_cpu: Se
             print(f"  {label} skipped: {missing}", flush=True)
             continue
         for procs in (1, 8):
-            rate = alternate([kind], peer_url, procs, cfg, server_cpu)[0]
-            results.compare(f"peer {label}, lock cycles, {procs} proc", rate, floors[procs], None, f"{kind}_{procs}")
+            rate, floor = alternate([kind, "lock_floor"], peer_url, procs, cfg, server_cpu)
+            results.compare(f"peer {label}, lock cycles, {procs} proc", rate, floor, None, f"{kind}_{procs}")
     missing = _peer_available("redis_lock") or _peer_available("redis")
     redis_server = shutil.which("redis-server")
     if missing or redis_server is None:
@@ -672,10 +674,12 @@ def bench_peers(url: str, cfg: Settings, floors: dict[int, Rate], server_cpu: Se
             redis_url = f"redis://127.0.0.1:{port}/0"
             for procs in (1, 8):
                 rate = alternate(["redis_lock"], redis_url, procs, cfg, server_cpu)[0]
+                # The floor alternates with the peer's rounds only roughly here (it needs the PostgreSQL URL).
+                floor = alternate(["lock_floor"], url, procs, cfg, server_cpu)[0]
                 results.compare(
-                    f"peer python-redis-lock, lock cycles, {procs} proc", rate, floors[procs], None, f"redis_{procs}"
+                    f"peer python-redis-lock, lock cycles, {procs} proc", rate, floor, None, f"redis_{procs}"
                 )
-            results.notes.append("redis-server without persistence (--save '' --appendonly no); peers' floor: row 1")
+            results.notes.append("redis-server without persistence (--save '' --appendonly no)")
         finally:
             if proc.pid in server_cpu.pids:
                 server_cpu.pids.remove(proc.pid)
@@ -705,15 +709,14 @@ def run(cfg: Settings) -> Results:
         print(
             "server: PostgreSQL {server_version}, fsync={fsync}, synchronous_commit={synchronous_commit}, "
             "full_page_writes={full_page_writes}; ".format(**settings)
-            + f"{os.cpu_count()} CPUs; {cfg.rounds} rounds x {cfg.seconds} s per variant",
+            + f"{os.cpu_count()} CPUs; {cfg.rounds} rounds x {cfg.seconds} s per variant;"
+            + " load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
             flush=True,
         )
         assert settings["fsync"] == "on" and settings["synchronous_commit"] == "on", settings
 
-        floors: dict[int, Rate] = {}
         for procs in (1, 8):
             ours, floor = alternate(["lock", "lock_floor"], url, procs, cfg, server_cpu)
-            floors[procs] = floor
             results.compare(f"lock acquire+release, {procs} proc", ours, floor, LOCK_TARGET, f"lock_{procs}")
 
         for kind, label in (("sem_wait", "wait NULL"), ("sem_try", "retry '0'"), ("sem_listen", "LISTEN+retry")):
@@ -746,7 +749,7 @@ def run(cfg: Settings) -> Results:
             label = "1 proc" if procs == 1 else f"{procs} proc, a key each"
             results.compare(f"kv_set compare-and-set, {label}", ours, floor, COUNTER_TARGET, f"kv_{procs}")
 
-        bench_peers(url, cfg, floors, server_cpu, results)
+        bench_peers(url, cfg, server_cpu, results)
 
         # Where the lock cycle's time goes (1 process), each against the same raw floor.
         for kind, label in (
@@ -767,6 +770,11 @@ def run(cfg: Settings) -> Results:
             ours, floor = alternate([kind, "kv_floor"], url, 8, cfg, server_cpu)
             results.compare(f"breakdown: {label}, 8 proc, a key each", ours, floor, None, f"breakdown_{kind}")
     results.figures["seconds"] = time.monotonic() - started
+    results.notes.append(
+        "load average at the end: {:.2f} {:.2f} {:.2f} (other work on the machine shows as noise)".format(
+            *os.getloadavg()
+        )
+    )
     return results
 
 
