@@ -81,6 +81,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.counter_get(text),
     pgbroker.counter_set(text, bigint, bigint)
 TO pgbroker_user;
+-- ... and reads the views of the primitives (a prefix watch lists keys).
+GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters TO pgbroker_user;
 
 -- Admins: watching tables and housekeeping (takeover => true is checked by
 -- broker_claim itself: the login role must be a member of pgbroker_admin).
