@@ -65,16 +65,18 @@ CREATE CONSTRAINT TRIGGER _650_lock_at_commit
 COMMENT ON TRIGGER _650_lock_at_commit ON pgbroker.lock_name IS
     'Takes the session locks that the registering transaction acquired, when it commits (none if it rolls back).';
 
--- Names and keys of the primitives: 1 to 200 bytes of any text.
+-- Names and keys of the primitives: 1 to 200 bytes of any text.  No SET
+-- clause: only SECURITY DEFINER functions with a pinned search_path call it,
+-- and a SET clause costs a settings frame per call (measured on the lock
+-- cycle); every name in it is qualified.
 CREATE FUNCTION pgbroker._check_key(p_value text, p_what text)
 RETURNS text
 LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF p_value IS NULL OR p_value = '' OR octet_length(p_value) > 200 THEN
+    IF p_value IS NULL OR p_value = '' OR pg_catalog.octet_length(p_value) > 200 THEN
         RAISE EXCEPTION '% must be 1 to 200 bytes, got %', p_what,
-                        CASE WHEN p_value IS NULL THEN 'NULL' ELSE octet_length(p_value) || ' bytes' END
+                        CASE WHEN p_value IS NULL THEN 'NULL' ELSE pg_catalog.octet_length(p_value) || ' bytes' END
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     RETURN p_value;
@@ -126,7 +128,6 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_name text := pgbroker._check_key(lock_acquire.name, 'lock name');
-    v_ms text := pgbroker._wait_ms(lock_acquire.wait);   -- 22023 when negative
     v_row pgbroker.lock_name;
     v_key integer;
     v_timeout text;
@@ -134,7 +135,14 @@ BEGIN
     IF lock_acquire.shared IS NULL OR lock_acquire.xact IS NULL THEN
         RAISE EXCEPTION 'shared and xact must not be NULL' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    v_row := pgbroker._lock_key(v_name, lock_acquire.wait);
+    IF lock_acquire.wait < '0'::interval THEN
+        PERFORM pgbroker._wait_ms(lock_acquire.wait);   -- 22023 with its message
+    END IF;
+    -- The registry row; registered at first use only (few calls pay for that).
+    SELECT * INTO v_row FROM pgbroker.lock_name l WHERE l.name = v_name;
+    IF NOT FOUND THEN
+        v_row := pgbroker._lock_key(v_name, lock_acquire.wait);
+    END IF;
     v_key := v_row.key;
     IF v_key IS NULL THEN
         RETURN false;
@@ -163,7 +171,7 @@ BEGIN
     END IF;
     v_timeout := current_setting('lock_timeout');
     BEGIN
-        PERFORM set_config('lock_timeout', v_ms, true);
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(lock_acquire.wait), true);
         IF lock_acquire.xact THEN
             IF lock_acquire.shared THEN
                 PERFORM pg_advisory_xact_lock_shared(1885823596, v_key);

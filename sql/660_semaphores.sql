@@ -173,7 +173,8 @@ BEGIN
         v_watch := v_watch % semaphore_acquire."limit" + 1;
         BEGIN
             PERFORM set_config('lock_timeout',
-                               pgbroker._wait_ms(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms')), true);
+                               pgbroker._wait_ms(greatest(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms'),
+                                                          '0'::interval)), true);
             PERFORM pg_advisory_lock(1885823597, v_keys[v_watch]);
             PERFORM set_config('lock_timeout', v_timeout, true);
             RETURN v_watch;
