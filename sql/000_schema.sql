@@ -4,8 +4,9 @@
 -- definition of every pgbroker object, each defined once, one area per file:
 --   000 schema, roles, version     100 the lease        200 clients
 --   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
---   600 triggers, watch()          700 views            900 privileges
---   950 initech.objects (the optional reference table)
+--   600 triggers, watch()          650 named locks      660 semaphores
+--   670 key-value store            680 counters         700 views
+--   900 privileges                 950 initech.objects (the optional reference table)
 -- migrations/ holds alembic revisions generated from these files
 -- (migrations/build_baseline.py); a test proves both give the same catalog.
 

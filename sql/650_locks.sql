@@ -127,11 +127,16 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_name text := pgbroker._check_key(lock_acquire.name, 'lock name');
-    v_row pgbroker.lock_name;
+    v_name text := lock_acquire.name;
     v_key integer;
+    v_registered xid8;
+    v_row pgbroker.lock_name;
     v_timeout text;
 BEGIN
+    -- The hot path: checks inline, one index probe, the lock.
+    IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
+        PERFORM pgbroker._check_key(v_name, 'lock name');   -- 22023 with its message
+    END IF;
     IF lock_acquire.shared IS NULL OR lock_acquire.xact IS NULL THEN
         RAISE EXCEPTION 'shared and xact must not be NULL' USING ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -139,15 +144,16 @@ BEGIN
         PERFORM pgbroker._wait_ms(lock_acquire.wait);   -- 22023 with its message
     END IF;
     -- The registry row; registered at first use only (few calls pay for that).
-    SELECT * INTO v_row FROM pgbroker.lock_name l WHERE l.name = v_name;
+    SELECT l.key, l.registered_xid INTO v_key, v_registered FROM pgbroker.lock_name l WHERE l.name = v_name;
     IF NOT FOUND THEN
         v_row := pgbroker._lock_key(v_name, lock_acquire.wait);
+        v_key := v_row.key;
+        v_registered := v_row.registered_xid;
     END IF;
-    v_key := v_row.key;
     IF v_key IS NULL THEN
         RETURN false;
     END IF;
-    IF NOT lock_acquire.xact AND v_row.registered_xid = pg_current_xact_id_if_assigned() THEN
+    IF NOT lock_acquire.xact AND v_registered = pg_current_xact_id_if_assigned() THEN
         -- Registered by this open transaction: nobody else can see the name
         -- yet.  Hold it for the transaction and take the session lock at
         -- commit (see _lock_name_commit), so a rollback leaves no lock behind.
@@ -207,19 +213,21 @@ SET search_path = pg_catalog, pg_temp
 SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
 AS $$
 DECLARE
-    v_name text := pgbroker._check_key(lock_release.name, 'lock name');
-    v_row pgbroker.lock_name;
+    v_name text := lock_release.name;
     v_key integer;
+    v_registered xid8;
 BEGIN
+    IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
+        PERFORM pgbroker._check_key(v_name, 'lock name');   -- 22023 with its message
+    END IF;
     IF lock_release.shared IS NULL THEN
         RAISE EXCEPTION 'shared must not be NULL' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    SELECT * INTO v_row FROM pgbroker.lock_name l WHERE l.name = v_name;
+    SELECT l.key, l.registered_xid INTO v_key, v_registered FROM pgbroker.lock_name l WHERE l.name = v_name;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    v_key := v_row.key;
-    IF v_row.registered_xid = pg_current_xact_id_if_assigned() THEN
+    IF v_registered = pg_current_xact_id_if_assigned() THEN
         -- Registered by this open transaction: give back a pending hold.
         IF lock_release.shared THEN
             UPDATE pgbroker.lock_name SET pending_shared = pending_shared - 1 WHERE key = v_key AND pending_shared > 0;

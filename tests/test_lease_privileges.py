@@ -7,7 +7,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 from conftest import advisory_locks
-from lease_util import claim, history, lease_row, release
+from lease_util import claim, history, lease_row
 from psycopg import errors
 
 VIEWS = ["pgbroker.brokers", "pgbroker.lease_history", "pgbroker.broker_state"]
