@@ -19,6 +19,7 @@ from pgbroker._core import (
     _MIN_WAKE_GAP,
     ACK_SQL,
     ASSERT_SQL,
+    BACKEND_PID_SQL,
     CHANNEL_SQL,
     CLAIM_SQL,
     CLIENT_UPDATE_SQL,
@@ -115,6 +116,11 @@ class Broker(_BrokerBase):
             except psycopg.Error as exc:
                 _raise_translated(exc, schema_error(exc, conn.info.dbname))
             self._check_schema(conn.info.dbname, cur.fetchone())
+            pids = []
+            for _ in range(2):  # two transactions (autocommit): a transaction pooler may move us between them
+                cur = conn.execute(BACKEND_PID_SQL)
+                pids.append((cur.fetchone())[0])
+            self._check_session(conn.info.backend_pid, pids)
             conn.execute(SESSION_SQL, self._session_params())
             if self.dead_man is not None:
                 conn.execute(DEAD_MAN_SQL, {"ms": str(_ms(self.dead_man))})

@@ -8,6 +8,7 @@ The flavours are in :mod:`pgbroker._broker_async` (the source) and
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import math
@@ -26,7 +27,14 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from pgbroker.errors import LeaseLost, PgBrokerError, is_session_lost, schema_mismatch, translate
+from pgbroker.errors import (
+    LeaseLost,
+    PgBrokerError,
+    PoolerNotSupported,
+    is_session_lost,
+    schema_mismatch,
+    translate,
+)
 from pgbroker.install import SCHEMA_VERSION, libpq_url
 
 log = logging.getLogger("pgbroker.broker")
@@ -81,6 +89,34 @@ SELECT * FROM pgbroker.lease_history
 # Pause between two heartbeats triggered by unsolicited data on the socket
 # (NOTICEs, NOTIFYs), so that a stream of them cannot turn into a busy loop.
 _MIN_WAKE_GAP = 0.05
+
+
+BACKEND_PID_SQL = "SELECT pg_catalog.pg_backend_pid()"
+
+
+def pooler_verdict(login_pid: int, pids: list[int]) -> tuple[str, str] | None:
+    """Why session scope is unsafe on a connection given ``login_pid`` at login whose statements ran on ``pids``.
+
+    ``pids``: ``pg_backend_pid()`` read in two separate transactions (one when
+    the caller's transaction was open).  A direct connection runs on the
+    backend whose pid it was given at login.  Through a pooler the login pid
+    is the pooler's own number: a different backend between two transactions
+    proves transaction pooling; the same one proves nothing (a pooler in
+    transaction mode reuses an idle server connection), so any pooler is
+    refused unless the caller says it keeps sessions (``session_pooler=True``).
+    Returns None (safe), ``("transaction", why)`` or ``("pooler", why)``.
+    """
+    if len(set(pids)) > 1:
+        return "transaction", (
+            f"the connection ran two transactions on two server backends (pids {pids[0]} and {pids[1]}): "
+            "it goes through a pooler in transaction mode"
+        )
+    if pids[0] != login_pid:
+        return "pooler", (
+            f"the connection runs on server backend {pids[0]}, not on the pid {login_pid} it was given at login: "
+            "it goes through a pooler, which may move it to another backend between transactions"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -202,7 +238,7 @@ class _Waiter:
         self._wsock.close()
 
 
-class _BrokerBase:
+class _BrokerBase(abc.ABC):
     """What :class:`Broker` and :class:`AsyncBroker` share: settings, state, :meth:`check` (no I/O)."""
 
     def __init__(
@@ -215,6 +251,7 @@ class _BrokerBase:
         stale_after: float | timedelta | None = None,
         info: str | None = None,
         owner: str | None = None,
+        session_pooler: bool = False,
         heartbeat_interval: float = 1.0,
         guard: float | None = None,
         dead_man: float | None = None,
@@ -233,6 +270,7 @@ class _BrokerBase:
         # server session: a claim from another caller that lands on the same
         # session (a pooler in transaction mode) is refused with PB003.
         self.owner = uuid.uuid4().hex if owner is None else owner
+        self.session_pooler = session_pooler
         self.keepalive = keepalive or Keepalive()
         self.dead_man = dead_man
         self.heartbeat_interval = float(heartbeat_interval)
@@ -268,9 +306,9 @@ class _BrokerBase:
         self._waiter: _Waiter | None = None
         self._setup()
 
+    @abc.abstractmethod
     def _setup(self) -> None:
         """The flavour's connection, lock and heartbeat runner."""
-        raise NotImplementedError
 
     # -- read-only view of the lease ---------------------------------------
 
@@ -363,6 +401,22 @@ class _BrokerBase:
         if self._state == "held" and is_session_lost(conn, exc):
             return self._mark_lost(f"{exc}".strip(), getattr(exc, "sqlstate", None), exc)
         return translate(exc)
+
+    def _check_session(self, login_pid: int, pids: list[int]) -> None:
+        """Refuse a connection that does not keep its server session (a pooler; see ``pooler_verdict``).
+
+        ``pids``: ``pg_backend_pid()`` read in two separate transactions.  A
+        pooler in session mode is allowed with ``session_pooler=True``; one
+        seen moving the session between transactions never is.
+        """
+        verdict = pooler_verdict(login_pid, pids)
+        if verdict is None or (self.session_pooler and verdict[0] == "pooler"):
+            return
+        raise PoolerNotSupported(
+            f"the Broker holds a session lease, and {verdict[1]}. Connect directly, or through a pooler in session "
+            "mode with session_pooler=True; behind transaction pooling use a TTL lease "
+            "(broker_claim(ttl => ..., owner => ...), broker_renew)"
+        )
 
     def _check_schema(self, database: str, row: Any) -> None:
         """Raise :class:`SchemaMismatch` unless ``row`` (of ``SCHEMA_VERSION_SQL``) is what this package installs."""

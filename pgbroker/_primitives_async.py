@@ -29,10 +29,9 @@ from psycopg import pq
 from psycopg.abc import Query
 from psycopg.types.json import Jsonb
 
-from pgbroker._core import _raise_translated
+from pgbroker._core import BACKEND_PID_SQL, _raise_translated, pooler_verdict
 from pgbroker._primitives_core import (
     _VERDICTS,
-    BACKEND_PID_SQL,
     COUNTER_ADD_SQL,
     COUNTER_GET_SQL,
     COUNTER_SET_SQL,
@@ -52,7 +51,6 @@ from pgbroker._primitives_core import (
     KVEntry,
     parse_kv_payload,
     pooler_error_text,
-    pooler_verdict,
     seconds,
     wait_param,
 )

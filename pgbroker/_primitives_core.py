@@ -36,7 +36,6 @@ KV_SCAN_SQL = (
 COUNTER_ADD_SQL = "SELECT pgbroker.counter_add(name => %(name)s, delta => %(delta)s)"
 COUNTER_GET_SQL = "SELECT pgbroker.counter_get(name => %(name)s)"
 COUNTER_SET_SQL = "SELECT pgbroker.counter_set(name => %(name)s, value => %(value)s, expected => %(expected)s)"
-BACKEND_PID_SQL = "SELECT pg_catalog.pg_backend_pid()"
 
 # A blocking Semaphore.acquire() retries at least this often (seconds): the
 # bound for a crashed holder's permit (which sends no NOTIFY) to reach a
@@ -96,31 +95,6 @@ def parse_kv_payload(payload: str) -> tuple[str, int, bool] | None:
 # The pooler verdict of each connection, found once per connection: None when
 # its session stays on one backend, else why it may not.
 _VERDICTS: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
-
-
-def pooler_verdict(login_pid: int, pids: list[int]) -> tuple[str, str] | None:
-    """Why session scope is unsafe on a connection given ``login_pid`` at login whose statements ran on ``pids``.
-
-    ``pids``: ``pg_backend_pid()`` read in two separate transactions (one when
-    the caller's transaction was open).  A direct connection runs on the
-    backend whose pid it was given at login.  Through a pooler the login pid
-    is the pooler's own number: a different backend between two transactions
-    proves transaction pooling; the same one proves nothing (a pooler in
-    transaction mode reuses an idle server connection), so any pooler is
-    refused unless the caller says it keeps sessions (``session_pooler=True``).
-    Returns None (safe), ``("transaction", why)`` or ``("pooler", why)``.
-    """
-    if len(set(pids)) > 1:
-        return "transaction", (
-            f"the connection ran two transactions on two server backends (pids {pids[0]} and {pids[1]}): "
-            "it goes through a pooler in transaction mode"
-        )
-    if pids[0] != login_pid:
-        return "pooler", (
-            f"the connection runs on server backend {pids[0]}, not on the pid {login_pid} it was given at login: "
-            "it goes through a pooler, which may move it to another backend between transactions"
-        )
-    return None
 
 
 def pooler_error_text(what: str, reason: str) -> str:

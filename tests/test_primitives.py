@@ -43,7 +43,7 @@ from pgbroker import (
     Semaphore,
     primitives,
 )
-from pgbroker._primitives_core import pooler_verdict
+from pgbroker._core import pooler_verdict
 
 Connect = Callable[..., psycopg.Connection]
 

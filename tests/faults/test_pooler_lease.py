@@ -16,6 +16,8 @@ import psycopg
 import pytest
 from pgbouncer_util import bouncers, requires_pgbouncer
 
+from pgbroker import Broker, PoolerNotSupported
+
 pytestmark = requires_pgbouncer
 
 CLIENTS = 4
@@ -112,3 +114,23 @@ def test_ttl_lease_works_through_a_transaction_pooler(bouncer, connect, pool_siz
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("pool_size", [1, 2])
+def test_python_broker_refuses_a_transaction_pooler(bouncer, connect, pool_size):
+    """The Broker holds a session lease: through a pooler it refuses before claiming, with a clear error."""
+    url = bouncer("transaction", pool_size=pool_size)
+    with pytest.raises(PoolerNotSupported) as refused, Broker(url, "pooled-py", heartbeat_interval=0.2):
+        pass
+    assert "TTL lease" in str(refused.value) and "pooler" in str(refused.value)
+    direct = connect("direct")
+    assert direct.execute("SELECT count(*) FROM pgbroker.lease WHERE name = 'pooled-py'").fetchone()[0] == 0
+
+
+def test_python_broker_through_a_session_pooler_with_session_pooler(bouncer, connect):
+    url = bouncer("session")
+    with pytest.raises(PoolerNotSupported), Broker(url, "session-py", heartbeat_interval=0.2):
+        pass
+    with Broker(url, "session-py", heartbeat_interval=0.2, session_pooler=True) as broker:
+        sql = "SELECT alive, epoch FROM pgbroker.brokers WHERE name = 'session-py'"
+        assert connect("direct").execute(sql).fetchone() == (True, broker.epoch)
