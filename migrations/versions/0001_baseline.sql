@@ -2543,6 +2543,23 @@ BEGIN
         END IF;
         RETURN true;
     END IF;
+    IF lock_acquire.wait IS NULL AND current_setting('lock_timeout') = '0' THEN
+        -- Wait as long as it takes, and the session sets no lock_timeout: no
+        -- timeout to set or catch (a subtransaction and two set_config calls
+        -- less; the common call).
+        IF lock_acquire.xact THEN
+            IF lock_acquire.shared THEN
+                PERFORM pg_advisory_xact_lock_shared(1885823596, v_key);
+            ELSE
+                PERFORM pg_advisory_xact_lock(1885823596, v_key);
+            END IF;
+        ELSIF lock_acquire.shared THEN
+            PERFORM pg_advisory_lock_shared(1885823596, v_key);
+        ELSE
+            PERFORM pg_advisory_lock(1885823596, v_key);
+        END IF;
+        RETURN true;
+    END IF;
     IF lock_acquire.wait = '0'::interval THEN
         RETURN CASE WHEN lock_acquire.xact THEN
                         CASE WHEN lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(1885823596, v_key)
