@@ -423,7 +423,7 @@ BEGIN
                    SELECT FROM pgbroker.lease r
                     WHERE r.lock_key = l.objid::integer
                       AND (   -- claimed: committed (session lock) or in this transaction (xact lock)
-                              (r.state = 'held' AND r.holder_pid = pg_backend_pid()
+                              (r.state = 'held' AND r.expires_at IS NULL AND r.holder_pid = pg_backend_pid()
                                AND r.holder_backend_start = pgbroker._my_backend_start())
                               -- released in this transaction: the session lock goes at commit
                            OR (r.sync_xid = pg_current_xact_id_if_assigned() AND r.session_locked)))
@@ -887,6 +887,7 @@ BEGIN
        SET heartbeat_at = clock_timestamp()
      WHERE lease.name = v_name
        AND state = 'held'
+       AND expires_at IS NULL   -- a session lease: a TTL lease is renewed with broker_renew()
        AND holder_pid = pg_backend_pid()
        AND holder_backend_start = pgbroker._my_backend_start()
     RETURNING heartbeat_at INTO v_at;
@@ -972,6 +973,7 @@ BEGIN
     SELECT epoch INTO v_epoch FROM pgbroker.lease
      WHERE name = pgbroker._check_name(p_name)
        AND state = 'held'
+       AND expires_at IS NULL   -- a session lease; a TTL holder passes its epoch instead
        AND holder_pid = pg_backend_pid()
        AND holder_backend_start = pgbroker._my_backend_start();
     IF NOT FOUND THEN
@@ -982,7 +984,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._holder_epoch(text) IS
-    'Internal: the epoch of lease p_name if this session holds it, else PB001.';
+    'Internal: the epoch of lease p_name if this session holds it as a session lease, else PB001.';
 
 CREATE FUNCTION pgbroker.broker_state_set(name text, key text, value jsonb)
 RETURNS void

@@ -93,3 +93,17 @@ def test_admin_takes_over_a_ttl_lease(connect):
     assert history(obs, "t")[-1]["event"] == "takeover"
     assert "TTL lease" in history(obs, "t")[-1]["reason"]
     assert _fails(worker, "SELECT pgbroker.broker_renew('t', 'w')").sqlstate == "PB002"
+
+
+def test_holder_only_calls_need_a_session_lease(connect):
+    """A TTL lease has no session: the claiming session is not its holder for heartbeats, state or delivery."""
+    a = connect("A")
+    epoch = claim(a, "t", owner="a", ttl="5 s")
+    for sql in (
+        "SELECT pgbroker.broker_heartbeat('t')",
+        "SELECT pgbroker.broker_state_set('t', 'k', '1')",
+        "SELECT pgbroker.client_register('c1', '{}', 't')",
+        "SELECT * FROM pgbroker.outbox_fetch('t')",
+    ):
+        assert _fails(a, sql).sqlstate == "PB001", sql
+    assert a.execute("SELECT pgbroker.client_register('c1', '{}', 't', %s)", (epoch,)).fetchone()[0] is True
