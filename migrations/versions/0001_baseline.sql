@@ -2549,42 +2549,25 @@ BEGIN
         -- Wait as long as it takes, and the session sets no lock_timeout: no
         -- timeout to set or catch (a subtransaction and two set_config calls
         -- less; the common call).
-        IF lock_acquire.xact THEN
-            IF lock_acquire.shared THEN
-                PERFORM pg_advisory_xact_lock_shared(1885823596, v_key);
-            ELSE
-                PERFORM pg_advisory_xact_lock(1885823596, v_key);
-            END IF;
-        ELSIF lock_acquire.shared THEN
-            PERFORM pg_advisory_lock_shared(1885823596, v_key);
-        ELSE
-            PERFORM pg_advisory_lock(1885823596, v_key);
-        END IF;
+        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(1885823596, v_key)
+                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(1885823596, v_key)
+                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(1885823596, v_key)
+                     ELSE pg_advisory_lock(1885823596, v_key) END;
         RETURN true;
     END IF;
     IF lock_acquire.wait = '0'::interval THEN
-        RETURN CASE WHEN lock_acquire.xact THEN
-                        CASE WHEN lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(1885823596, v_key)
-                             ELSE pg_try_advisory_xact_lock(1885823596, v_key) END
-                    ELSE
-                        CASE WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(1885823596, v_key)
-                             ELSE pg_try_advisory_lock(1885823596, v_key) END
-               END;
+        RETURN CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(1885823596, v_key)
+                    WHEN lock_acquire.xact THEN pg_try_advisory_xact_lock(1885823596, v_key)
+                    WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(1885823596, v_key)
+                    ELSE pg_try_advisory_lock(1885823596, v_key) END;
     END IF;
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(lock_acquire.wait), true);
-        IF lock_acquire.xact THEN
-            IF lock_acquire.shared THEN
-                PERFORM pg_advisory_xact_lock_shared(1885823596, v_key);
-            ELSE
-                PERFORM pg_advisory_xact_lock(1885823596, v_key);
-            END IF;
-        ELSIF lock_acquire.shared THEN
-            PERFORM pg_advisory_lock_shared(1885823596, v_key);
-        ELSE
-            PERFORM pg_advisory_lock(1885823596, v_key);
-        END IF;
+        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(1885823596, v_key)
+                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(1885823596, v_key)
+                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(1885823596, v_key)
+                     ELSE pg_advisory_lock(1885823596, v_key) END;
         PERFORM set_config('lock_timeout', v_timeout, true);
     EXCEPTION WHEN lock_not_available THEN
         PERFORM set_config('lock_timeout', v_timeout, true);
