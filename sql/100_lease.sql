@@ -22,6 +22,19 @@ AS $$ SELECT 1885823602 $$;
 COMMENT ON FUNCTION pgbroker._lock_class() IS
     'Internal: the first key (0x70676272, ''pgbr'') of every pgbroker advisory lock; the second is lease.lock_key.';
 
+-- A second session-level lock, 'pgbh' ("held"), follows the lease lock: the
+-- holder of a session lease takes it when its claim commits and drops it when
+-- its release commits (or its session ends).  Writers' triggers test it with a
+-- try-lock that they drop at once, to write nothing for a broker that is gone
+-- (600_triggers.sql).  A claim never try-locks it, so that test can never make
+-- a claim fail; at worst the holder waits the microseconds a test lasts.
+CREATE FUNCTION pgbroker._lock_class_alive()
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823592 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_alive() IS
+    'Internal: ''pgbh''; (class, lease lock_key) is held (session level) by the holder of a session lease while it holds it.';
+
 CREATE FUNCTION pgbroker._my_backend_start()
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE
@@ -381,8 +394,10 @@ BEGIN
     IF v_want THEN
         -- We hold the transaction-level lock, so this succeeds at once.
         PERFORM pg_advisory_lock(pgbroker._lock_class(), v_lease.lock_key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_alive(), v_lease.lock_key);
     ELSE
         PERFORM pg_advisory_unlock(pgbroker._lock_class(), v_lease.lock_key);
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_alive(), v_lease.lock_key);
     END IF;
     UPDATE pgbroker.lease SET session_locked = v_want WHERE name = NEW.name;
     RETURN NULL;
@@ -407,16 +422,17 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_class integer;
     v_key integer;
     v_count integer := 0;
 BEGIN
-    FOR v_key IN
-        SELECT l.objid::integer
+    FOR v_class, v_key IN
+        SELECT l.classid::integer, l.objid::integer
           FROM pg_catalog.pg_locks l
          WHERE l.locktype = 'advisory'
            AND l.pid = pg_backend_pid()
            AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
-           AND l.classid = pgbroker._lock_class()::oid
+           AND l.classid IN (pgbroker._lock_class()::oid, pgbroker._lock_class_alive()::oid)
            AND l.objsubid = 2
            AND l.granted
            AND NOT EXISTS (
@@ -428,8 +444,8 @@ BEGIN
                               -- released in this transaction: the session lock goes at commit
                            OR (r.sync_xid = pg_current_xact_id_if_assigned() AND r.session_locked)))
     LOOP
-        PERFORM pg_advisory_unlock(pgbroker._lock_class(), v_key);
-        v_count := v_count + 1;
+        PERFORM pg_advisory_unlock(v_class, v_key);
+        v_count := v_count + (v_class = pgbroker._lock_class())::integer;  -- the alive lock goes with its lease lock
     END LOOP;
     RETURN v_count;
 END

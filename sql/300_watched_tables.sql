@@ -12,9 +12,7 @@ CREATE TABLE pgbroker.watched (
     table_name text NOT NULL,
     key_columns text[] NOT NULL,
     key_types regtype[] NOT NULL,
-    watched_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
-    -- Bumped by every subscribe: REPEATABLE READ writers lock this row FOR SHARE (see _watch_install).
-    generation bigint NOT NULL DEFAULT 0
+    watched_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp()
 );
 COMMENT ON TABLE pgbroker.watched IS 'Tables watched by pgbroker.watch(). Internal: read the view pgbroker.watched_tables.';
 COMMENT ON COLUMN pgbroker.watched.watch_id IS 'Internal number of the watch; also names its trigger functions (pgbroker._watch_<id>_ins ...).';
@@ -23,7 +21,6 @@ COMMENT ON COLUMN pgbroker.watched.table_name IS 'Its qualified name when it was
 COMMENT ON COLUMN pgbroker.watched.key_columns IS 'Primary-key columns, in key order.';
 COMMENT ON COLUMN pgbroker.watched.key_types IS 'Their types.';
 COMMENT ON COLUMN pgbroker.watched.watched_at IS 'When watch() last installed the triggers.';
-COMMENT ON COLUMN pgbroker.watched.generation IS 'Internal: bumped by every subscribe, so that REPEATABLE READ writers notice subscriptions newer than their snapshot.';
 
 
 -- ---------------------------------------------------------------------------
@@ -32,7 +29,7 @@ CREATE FUNCTION pgbroker._lock_class_watch()
 RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT 1885823603 $$;
 COMMENT ON FUNCTION pgbroker._lock_class_watch() IS
-    'Internal: ''pgbs''; (class, watch_id) is taken shared by writers'' triggers and exclusively by subscribe.';
+    'Internal: ''pgbs''; (class, watch_id) is try-locked shared by writers'' triggers and taken exclusively by subscribe.';
 
 -- ---------------------------------------------------------------------------
 -- Keys.

@@ -6,9 +6,12 @@
 -- client keys that the triggers (600_triggers.sql) copy into the outbox, so a
 -- changed row costs one index probe whatever the number of its subscribers.
 --
--- No gap: subscribe() takes the table's watch lock exclusively, and writers'
--- triggers take it shared, so a writer that read the interest without the new
--- subscription commits before subscribe() returns, and every later one sees it.
+-- No gap, and no writer ever waits for a subscriber: writers' triggers
+-- try-lock the table's watch lock shared (never queueing) and hold it to
+-- commit; subscribe() takes it exclusively, so it waits for the writers
+-- already past their trigger (up to its WAIT) and every later writer either
+-- sees the new interest or finds the lock taken and writes its changes with
+-- the subscribers left to be resolved at fetch time (600_triggers.sql).
 
 CREATE TABLE pgbroker.subscription (
     client_key bigint NOT NULL REFERENCES pgbroker.client (client_key) ON DELETE CASCADE,
@@ -31,25 +34,20 @@ CREATE TABLE pgbroker.interest (
     row_key jsonb NOT NULL,
     name text NOT NULL,
     epoch bigint NOT NULL,
+    -- The broker's lease lock_key, so that the triggers test whether it is
+    -- alive and wake it without looking its lease up.
+    lock_key integer NOT NULL,
     clients bigint[] NOT NULL,
-    -- The text of a one-column key, computed once here rather than in every
-    -- bulk statement (see _watch_install).
-    key_text text COLLATE "C"
-        GENERATED ALWAYS AS (CASE WHEN jsonb_typeof(row_key) IN ('number', 'string', 'boolean') THEN row_key #>> '{}' END) STORED,
     PRIMARY KEY (watch_id, row_key, name)
 );
 CREATE INDEX interest_name ON pgbroker.interest (name);
--- For bulk statements: which brokers have any interest in a table (two index
--- probes, min and max), and one-column keys by their text.
-CREATE INDEX interest_watch_name ON pgbroker.interest (watch_id, name);
-CREATE INDEX interest_key_text ON pgbroker.interest (watch_id, key_text);
 COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_keys per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
 COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
 COMMENT ON COLUMN pgbroker.interest.name IS 'The broker (lease name) of these clients.';
 COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch.';
+COMMENT ON COLUMN pgbroker.interest.lock_key IS 'Its lease''s lock_key (liveness test and wake-up channel of the triggers).';
 COMMENT ON COLUMN pgbroker.interest.clients IS 'client_keys of the subscribed clients.';
-COMMENT ON COLUMN pgbroker.interest.key_text IS 'The text of a one-column key (row_key #>> ''{}''), byte-compared by bulk statements.';
 
 -- ---------------------------------------------------------------------------
 -- Subscriptions.
@@ -113,8 +111,11 @@ BEGIN
         RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', subscribe."table"
             USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
     END IF;
-    -- Exclusive against writers' triggers (shared): writers that already read
-    -- the interest without us commit first, later ones see us.
+    -- Exclusive against writers' triggers (a shared try-lock they hold to
+    -- commit): writers that already read the interest without us commit
+    -- first; later ones either see us or, finding the lock taken, leave
+    -- their subscribers to be resolved at fetch time.  They never queue
+    -- behind this request.
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(subscribe.wait), true);
         PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), v_watch.watch_id);
@@ -129,10 +130,10 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, clients)
-    VALUES (v_watch.watch_id, v_key, v_name, v_epoch, ARRAY[v_client])
+    INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
+    VALUES (v_watch.watch_id, v_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
+            ARRAY[v_client])
     ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || v_client, epoch = excluded.epoch;
-    UPDATE pgbroker.watched SET generation = generation + 1 WHERE watch_id = v_watch.watch_id;
     RETURN true;
 END
 $$;
@@ -140,8 +141,8 @@ COMMENT ON FUNCTION pgbroker.subscribe(text, regclass, jsonb, text, bigint, inte
 $$Broker only: subscribe client CLIENT_ID to the row of watched TABLE whose primary key is KEY (jsonb: a scalar for a
 one-column key, an array in key order for a composite one), or to the whole table when KEY is NULL.
 No gap: once it returns, every change that commits later is in the outbox, so a client that subscribes and then reads
-the row misses nothing. Waits up to WAIT for writer transactions already past their trigger (PB022 after that).
-Returns false when the subscription existed. PB010 unknown client, PB021 table not watched, 22023 bad key.$$;
+the row misses nothing. Waits up to WAIT for writer transactions already past their trigger (PB022 after that);
+writers never wait for it. Returns false when the subscription existed. PB010 unknown client, PB021 table not watched, 22023 bad key.$$;
 
 CREATE FUNCTION pgbroker.unsubscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
                                      name text DEFAULT 'default', epoch bigint DEFAULT NULL)

@@ -1,90 +1,250 @@
 -- pgbroker: the triggers on watched tables, and watch() / unwatch().
 --
--- pgbroker.watch(table) installs three statement-level triggers with
--- transition tables (INSERT, UPDATE, DELETE) and a TRUNCATE trigger on a table
--- with a primary key.  For each changed row they look the row's key up in
--- pgbroker.interest (400_subscriptions.sql) and write one outbox row per
--- change and broker (500_outbox.sql), carrying the list of target clients.
--- After the statement they wake the affected brokers with pg_notify, unless
--- the broker is awake and draining.  The trigger functions are generated per
--- table by _watch_install(), from the template below.
+-- pgbroker.watch(table) installs, on a table with a primary key, three
+-- statement-level triggers with transition tables (INSERT, UPDATE, DELETE)
+-- and a TRUNCATE trigger.  Their functions are generated per table from the
+-- templates below (_watch_template), whose {{slots}} _watch_install() fills
+-- with the table's key and columns.  The rendering for initech.objects is
+-- committed as sql/reference/initech_objects_triggers.sql (a test keeps it
+-- current), so this is what a writer runs after a single-row UPDATE:
+--
+--   1. one try-lock, never a wait: the table's watch lock, shared, held to
+--      commit; it orders the writer against subscribe() (400_subscriptions.sql);
+--   2. one INSERT ... SELECT: for each change (I, U with the changed columns,
+--      D; a key change is a D and an I; an UPDATE that changes nothing is no
+--      change), the subscribers of its key merged with the table's whole-table
+--      subscribers, per broker (pgbroker.interest: one index probe), one outbox
+--      row per change and broker whose holder is alive; and, for each such
+--      broker, the wake-up: a pg_notify only when it sleeps (500_outbox.sql).
+--
+-- Statements of more than 1,024 rows run the same INSERT through EXECUTE, so
+-- that it is planned for their size (hash joins) rather than with the plan
+-- cached for small ones (an index probe per row).  JIT is off in the trigger
+-- functions (see _watch_install).
+--
+-- Two cases are conservative rather than exact, so that no writer ever waits:
+-- when the watch lock is taken (a subscribe() is under way), and in a
+-- REPEATABLE READ or SERIALIZABLE transaction (whose snapshot may predate a
+-- subscription), a change is written for every live broker with its clients
+-- left NULL, to be resolved against the subscriptions when it is fetched.
+-- The broker then hears of a change that, had it come a moment later, only
+-- some clients (or none) would have heard of: at-least-once, never a gap.
 
 -- ---------------------------------------------------------------------------
--- Watching a table.
+-- Templates.
 
-CREATE FUNCTION pgbroker._watch_install(p_watch pgbroker.watched)
+-- The one statement that fans changes out.  {{changes}} is a query of the
+-- statement's changes (op, row_key, changed); {{watch_id}} the table's watch.
+CREATE FUNCTION pgbroker._watch_fanout_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+        WITH whole AS MATERIALIZED (
+            -- Whole-table subscribers, per broker (usually none).
+            SELECT i.name, i.epoch, i.lock_key, i.clients
+              FROM pgbroker.interest i
+             WHERE i.watch_id = {{watch_id}} AND i.row_key = 'null'::jsonb)
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT t.name, t.epoch, {{watch_id}}, k.op, k.row_key, k.changed, t.clients
+          FROM ({{changes}} OFFSET 0) k
+         CROSS JOIN LATERAL (
+               -- Subscribers of the row, with the whole-table ones of the same broker ...
+               SELECT r.name, r.epoch, r.lock_key,
+                      CASE WHEN w.clients IS NULL THEN r.clients
+                           ELSE ARRAY(SELECT DISTINCT c FROM unnest(r.clients || w.clients) AS c ORDER BY 1) END
+                 FROM pgbroker.interest r
+                 LEFT JOIN whole w ON w.name = r.name
+                WHERE r.watch_id = {{watch_id}} AND r.row_key = k.row_key
+               UNION ALL
+               -- ... and the whole-table ones of brokers with no subscriber of the row.
+               SELECT w.name, w.epoch, w.lock_key, w.clients
+                 FROM whole w
+                WHERE NOT EXISTS (SELECT FROM pgbroker.interest r
+                                   WHERE r.watch_id = {{watch_id}} AND r.row_key = k.row_key AND r.name = w.name)
+               ) AS t (name, epoch, lock_key, clients)
+         WHERE {{alive_and_woken:t}}$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_fanout_template() IS
+    'Internal: template of the INSERT ... SELECT by which the watch triggers fan changes out (see sql/600_triggers.sql).';
+
+-- Whether the holder of the broker of row R is alive, and if so its wake-up.
+-- Evaluated per outbox row before it is written, in this order:
+--   - no session holds the lease (the alive lock is free, and this session
+--     is not the holder): write nothing;
+--   - the broker is going to sleep (broker_sleep() holds or awaits the drain
+--     lock): NOTIFY it;
+--   - it sleeps (the awake lock is free): NOTIFY it, still holding the drain
+--     lock shared to commit, so broker_sleep() waits for this transaction or
+--     it hears the NOTIFY;
+--   - it is awake and draining: it will see the row.
+-- A lock test and not a row a snapshot could hide: right at every isolation
+-- level.  A NOTIFY repeated in one transaction is sent once.
+CREATE FUNCTION pgbroker._watch_alive_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$CASE
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), {{r}}.lock_key)
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), {{r}}.lock_key)
+                          -- Free, or held by this very session (its own locks never conflict).
+                          THEN EXISTS (SELECT FROM pgbroker.lease h
+                                        WHERE h.lock_key = {{r}}.lock_key AND h.state = 'held'
+                                          AND h.holder_pid = pg_backend_pid()
+                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), {{r}}.lock_key)
+                THEN num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            ELSE true
+        END$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_alive_template() IS
+    'Internal: template of the per-row test "is the broker alive, and wake it if it sleeps" of the watch triggers.';
+
+-- The trigger function of INSERT, UPDATE and DELETE.  {{transition}} is the
+-- transition table that counts the statement's rows.
+CREATE FUNCTION pgbroker._watch_trigger_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+BEGIN
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+       AND current_setting('transaction_isolation') = 'read committed' THEN
+        IF NOT EXISTS (SELECT FROM {{transition}} OFFSET 1024) THEN
+{{fanout}};
+        ELSE
+            EXECUTE {{fanout_literal}};  -- planned for this statement's size
+        END IF;
+    ELSE
+        -- A subscribe() is under way, or the snapshot may predate one: every
+        -- live broker gets the changes, their clients resolved when fetched.
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT l.name, l.epoch, {{watch_id}}, k.op, k.row_key, k.changed, NULL
+          FROM ({{changes}} OFFSET 0) k
+         CROSS JOIN pgbroker.lease l
+         WHERE l.state = 'held' AND l.expires_at IS NULL
+           AND {{alive_and_woken:l}};
+    END IF;
+    RETURN NULL;
+END
+$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_trigger_template() IS
+    'Internal: template of the INSERT, UPDATE and DELETE trigger functions of a watched table (see sql/600_triggers.sql).';
+
+-- The TRUNCATE trigger function: every client with any interest in the table
+-- hears of it, one row per broker.
+CREATE FUNCTION pgbroker._watch_truncate_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+BEGIN
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+       AND current_setting('transaction_isolation') = 'read committed' THEN
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT t.name, t.epoch, {{watch_id}}, 'T', NULL, NULL, t.clients
+          FROM (SELECT i.name, max(i.epoch) AS epoch, min(i.lock_key) AS lock_key,
+                       ARRAY(SELECT DISTINCT c FROM pgbroker.interest j, unnest(j.clients) AS c
+                              WHERE j.watch_id = {{watch_id}} AND j.name = i.name ORDER BY 1) AS clients
+                  FROM pgbroker.interest i
+                 WHERE i.watch_id = {{watch_id}}
+                 GROUP BY i.name) t
+         WHERE {{alive_and_woken:t}};
+    ELSE
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT l.name, l.epoch, {{watch_id}}, 'T', NULL, NULL, NULL
+          FROM pgbroker.lease l
+         WHERE l.state = 'held' AND l.expires_at IS NULL
+           AND {{alive_and_woken:l}};
+    END IF;
+    RETURN NULL;
+END
+$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_truncate_template() IS
+    'Internal: template of the TRUNCATE trigger function of a watched table.';
+
+-- Fill the {{slots}} of a template: each key of p_slots names a slot.  A slot
+-- left unfilled is a bug in the generator, not a user error.
+CREATE FUNCTION pgbroker._render(p_template text, p_slots jsonb)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_out text := p_template;
+    v_slot text;
+    v_value text;
+BEGIN
+    FOR v_slot, v_value IN SELECT key, value FROM jsonb_each_text(p_slots) LOOP
+        v_out := replace(v_out, '{{' || v_slot || '}}', v_value);
+    END LOOP;
+    IF v_out ~ '\{\{[a-z_:]+\}\}' THEN
+        RAISE EXCEPTION 'unfilled template slot %', substring(v_out FROM '\{\{[a-z_:]+\}\}');
+    END IF;
+    RETURN v_out;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._render(text, jsonb) IS 'Internal: replace each {{slot}} of a template by its value in p_slots.';
+
+-- ---------------------------------------------------------------------------
+-- Taking a watched table's lock without making its writers queue.
+--
+-- Creating or dropping a trigger needs a lock that conflicts with every
+-- writer, and a lock request that waits makes every later writer wait behind
+-- it.  So, as careful schema-change tools do: ask with a short lock_timeout,
+-- and when a transaction is in the way, step back (writers go on), sleep a
+-- growing while, and ask again, until WAIT has passed (PB022).
+CREATE FUNCTION pgbroker._watch_lock_table(p_table regclass, p_wait interval)
 RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_id integer := p_watch.watch_id;
-    v_table regclass := p_watch.relid::regclass;
-    v_keyn text;     -- key expression over n.*
-    v_keyo text;     -- key expression over o.*
-    v_join text;     -- n.k = o.k AND ...
-    v_n_null text;   -- n.k1 IS NULL
-    v_o_null text;
-    v_changed text;  -- array of changed column names
-    v_kind text;
-    v_from text;
-    v_op text;
-    v_key text;
-    v_changed_expr text;
-    v_fn text;
-    v_body text;
-    v_plain text;
-    v_bulk text;
-    v_count_from text;
-    v_settings text := pgbroker._key_settings(p_watch.key_types);
-    v_text_key boolean;  -- bulk statements match a one-column key by its text
-    v_textn text;        -- that text over n.*
-    v_texto text;        -- over o.*
-    v_text text;         -- over the statement's rows
-    v_bulk_key text;     -- bulk: the key, statement side
-    v_src text;          -- bulk: how interest is read
-    v_core text;         -- bulk: the INSERT ... SELECT into the outbox
-    v_cores text[];      -- bulk: that statement joining interest, and probing it
-    -- Every trigger starts by ordering itself against subscribe (the watch
-    -- lock, shared; REPEATABLE READ writers also lock the watched row FOR
-    -- SHARE, which raises 40001 if a subscribe committed after their
-    -- snapshot) and ends by waking the brokers it wrote to that are asleep
-    -- (holding their drain lock shared until commit; see "Wake-ups").  The
-    -- lock classes are literals here: 1885823603, 1885823607 and 1885823585
-    -- are pgbroker._lock_class_watch(), _lock_class_drain() and
-    -- _lock_class_awake().
-    v_head text := $h$
-DECLARE
-    v_names text[];
-    v_name text;
-    v_key integer;
-    v_whole boolean;
-    v_bulk boolean;
-    v_mergejoin text;
-    v_jit text;
-    v_min text;
-    v_max text;
-    v_rows bigint;
-    v_large boolean;
+    v_deadline timestamptz := clock_timestamp() + p_wait;
+    v_timeout text := current_setting('lock_timeout');
+    v_pause double precision := 0.01;
+    v_tries integer := 0;
 BEGIN
-    PERFORM pg_advisory_xact_lock_shared(1885823603, %1$s);
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM FROM pgbroker.watched WHERE watch_id = %1$s FOR SHARE;
-    END IF;
-$h$;
-    v_tail text := $t$
-    IF v_names IS NOT NULL THEN
-        FOR v_name, v_key IN SELECT l.name, l.lock_key FROM pgbroker.lease l WHERE l.name = ANY (v_names) LOOP
-            PERFORM pg_advisory_xact_lock_shared(1885823607, v_key);
-            IF pg_try_advisory_lock_shared(1885823585, v_key) THEN
-                PERFORM pg_advisory_unlock_shared(1885823585, v_key);
-                PERFORM pg_notify('pgbroker_wakeup_' || v_key, v_name);
+    PERFORM pgbroker._wait_ms(p_wait);  -- 22023 on a negative wait
+    LOOP
+        v_tries := v_tries + 1;
+        BEGIN
+            PERFORM set_config('lock_timeout', '50ms', true);
+            EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', p_table);
+            PERFORM set_config('lock_timeout', v_timeout, true);
+            RETURN;
+        EXCEPTION WHEN lock_not_available THEN
+            IF p_wait IS NOT NULL AND clock_timestamp() + make_interval(secs => v_pause) >= v_deadline THEN
+                RAISE EXCEPTION 'table % is busy: a transaction using it stayed open longer than % (% tries)', p_table,
+                        p_wait, v_tries
+                    USING ERRCODE = 'PB022', HINT = 'Retry when the transaction has ended, or pass a longer wait.';
             END IF;
-        END LOOP;
-    END IF;
-    RETURN NULL;
+        END;
+        PERFORM pg_sleep(v_pause);
+        v_pause := least(v_pause * 2, 0.5);
+    END LOOP;
 END
-$t$;
+$$;
+COMMENT ON FUNCTION pgbroker._watch_lock_table(regclass, interval) IS
+    'Internal: lock a table ACCESS EXCLUSIVE with 50 ms tries and growing pauses between them, so writers never queue long behind the request; PB022 after p_wait.';
+
+-- ---------------------------------------------------------------------------
+-- Watching a table.
+
+-- The SQL expressions of a watched table that fill the templates' slots.
+CREATE FUNCTION pgbroker._watch_slots(p_watch pgbroker.watched)
+RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key_n text;    -- the row's key (jsonb, as _encode_key makes it) over NEW rows n
+    v_key_o text;    -- over OLD rows o
+    v_same_key text; -- n and o have the same key
+    v_n_null text;   -- no NEW row (the UPDATE's FULL JOIN found none: a key change)
+    v_o_null text;
+    v_changed text;  -- the names of the columns whose value changed
 BEGIN
     SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb(n.%I)', min(c))
                 ELSE format('jsonb_build_array(%s)', string_agg(format('n.%I', c), ', ' ORDER BY i)) END,
@@ -93,29 +253,10 @@ BEGIN
            string_agg(format('n.%I = o.%I', c, c), ' AND ' ORDER BY i),
            format('n.%I IS NULL', min(c) FILTER (WHERE i = 1)),
            format('o.%I IS NULL', min(c) FILTER (WHERE i = 1))
-      INTO v_keyn, v_keyo, v_join, v_n_null, v_o_null
+      INTO v_key_n, v_key_o, v_same_key, v_n_null, v_o_null
       FROM unnest(p_watch.key_columns) WITH ORDINALITY AS u(c, i);
-
-    -- A one-column key whose JSON form is its text form (integers, text,
-    -- uuid, boolean, enums): bulk statements compare that text with
-    -- interest.key_text (row_key #>> '{}', in the "C" collation: byte for
-    -- byte, as jsonb compares strings) instead of building a jsonb key per
-    -- row; the interest_key_text index serves it.  Measured on 10,000 rows,
-    -- every one subscribed: 8 ms less (of 77).  Other keys keep the jsonb
-    -- join.
-    SELECT cardinality(p_watch.key_columns) = 1
-           AND (coalesce(nullif(t.typbasetype, 0), t.oid)::regtype = ANY (ARRAY[
-                    'smallint', 'integer', 'bigint', 'text', 'character varying', 'name', 'uuid',
-                    'boolean']::regtype[])
-                OR t.typtype = 'e'),
-           format('(n.%I)::text COLLATE "C"', p_watch.key_columns[1]),
-           format('(o.%I)::text COLLATE "C"', p_watch.key_columns[1])
-      INTO v_text_key, v_textn, v_texto
-      FROM pg_catalog.pg_type t
-     WHERE t.oid = p_watch.key_types[1];
-
-    -- Changed columns: IS DISTINCT FROM where the type has an equality
-    -- operator of its own, the text forms otherwise (json, xml, point...).
+    -- IS DISTINCT FROM where the type has an equality operator of its own,
+    -- the text forms otherwise (json, xml, point...).
     SELECT format('array_remove(ARRAY[%s]::text[], NULL)',
                   string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
                                   THEN format('CASE WHEN n.%I IS DISTINCT FROM o.%I THEN %L END', a.attname, a.attname, a.attname)
@@ -126,213 +267,103 @@ BEGIN
       CROSS JOIN LATERAL format_type(a.atttypid, NULL) AS t
      WHERE a.attrelid = p_watch.relid AND a.attnum > 0 AND NOT a.attisdropped;
 
-    -- INSERT, UPDATE, DELETE.  Each trigger function has a plain key join,
-    -- run when no client watches the whole table (twice in the text, see
-    -- below), and a statement that merges row and whole-table subscribers
-    -- per change.  An UPDATE that changes a key shows as a delete of the old
-    -- key and an insert of the new one; an UPDATE that changes nothing writes
-    -- nothing.
-    FOR v_kind, v_from, v_op, v_key, v_changed_expr, v_count_from, v_text IN
-        VALUES ('ins', 'pgbroker_new n', $q$'I'$q$, v_keyn, 'NULL::text[]', 'pgbroker_new', v_textn),
-               ('del', 'pgbroker_old o', $q$'D'$q$, v_keyo, 'NULL::text[]', 'pgbroker_old', v_texto),
-               ('upd', format('pgbroker_new n FULL JOIN pgbroker_old o ON %s', v_join),
-                       format($q$CASE WHEN %s THEN 'I' WHEN %s THEN 'D' ELSE 'U' END$q$, v_o_null, v_n_null),
-                       format('CASE WHEN %s THEN %s ELSE %s END', v_n_null, v_keyo, v_keyn),
-                       format('CASE WHEN %s OR %s THEN NULL ELSE %s END', v_n_null, v_o_null, v_changed),
-                       'pgbroker_new',
-                       format('CASE WHEN %s THEN %s ELSE %s END', v_n_null, v_texto, v_textn))
-    LOOP
-        v_fn := format('pgbroker._watch_%s_%s', v_id, v_kind);
-        -- The plain statement: each change computed once (OFFSET 0 keeps the
-        -- planner from copying the changed-columns expression into the
-        -- filter), then one interest probe per change.
-        v_plain := format($p$
-        WITH ins AS (
-            INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-            SELECT i.name, i.epoch, %1$s, k.op, k.row_key, k.changed, i.clients
-              FROM (SELECT (%3$s)::"char" AS op, %4$s AS row_key, %5$s AS changed
-                      FROM %2$s OFFSET 0) k
-              JOIN pgbroker.interest i ON i.watch_id = %1$s AND i.row_key = k.row_key
-             WHERE k.op <> 'U' OR cardinality(k.changed) > 0
-            RETURNING name)
-        SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;$p$, v_id, v_from, v_op, v_key, v_changed_expr);
-        -- A bulk UPDATE joins OLD and NEW by key.  The planner picks a merge
-        -- join with two sorts, and a hash join is measured faster (10,000
-        -- rows: about 10 ms less), so enable_mergejoin is off for that one
-        -- statement and put back right after.  It also compares the columns
-        -- only of rows that have subscribers (after the interest join).
-        -- Measured on 10,000 rows in 0005: 3.4 ms less with 1% of them
-        -- subscribed (the case the issue names: a bulk UPDATE with few
-        -- subscribers), 4 ms more with every row subscribed (the wider rows
-        -- reach the join); with keys matched by text (below), no difference.
-        --
-        -- JIT is off for bulk statements and for those that merge whole-table
-        -- subscribers: the planner estimates a join of two transition tables
-        -- at rows(OLD) x rows(NEW) x 0.005, so from about 15,000 rows the
-        -- estimate passes jit_above_cost and the statement is compiled, which
-        -- costs more than it saves (100,000 rows, 1% subscribed: 230 ms, 40%
-        -- more).
-        --
-        -- The brokers to wake come from RETURNING and a DISTINCT over every
-        -- row written (5 ms per 10,000 rows).  When all the table's interest
-        -- belongs to one broker (the usual case), two index probes say so
-        -- first, and the statement runs without RETURNING: the rows it wrote,
-        -- if any, are that broker's.  With no interest at all there is nothing
-        -- to write; none can appear before this transaction ends, since
-        -- subscribe() waits for the watch lock taken above.
-        --
-        -- Which plan is best depends on the statement's size against the
-        -- table's interest rows, and PL/pgSQL would keep the first one for the
-        -- session: a plan made for a huge statement would hash every interest
-        -- row of the table for each later, smaller one.  So statements of up
-        -- to 1,024 rows always probe interest row by row (a LATERAL subquery
-        -- the planner cannot turn into a hash), and larger ones are planned at
-        -- each run (EXECUTE: 1 to 2 ms, measured; under 5% of a 5,000-row
-        -- statement).
-        v_bulk_key := CASE WHEN v_text_key THEN v_text ELSE v_key END;
-        v_cores := '{}';
-        FOR v_src IN
-            VALUES (format('JOIN pgbroker.interest i ON i.watch_id = %s AND i.%I = %%s', v_id,
-                           CASE WHEN v_text_key THEN 'key_text' ELSE 'row_key' END)),
-                   (format('CROSS JOIN LATERAL (SELECT j.name, j.epoch, j.clients, j.row_key FROM pgbroker.interest j'
-                           ' WHERE j.watch_id = %s AND j.%I = %%s OFFSET 0) i', v_id,
-                           CASE WHEN v_text_key THEN 'key_text' ELSE 'row_key' END))
-        LOOP
-            IF v_kind = 'upd' THEN
-                v_src := format(v_src, v_bulk_key);
-                v_core := format($p$INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-            SELECT z.name, z.epoch, %1$s, z.op, z.row_key, z.changed, z.clients
-              FROM (SELECT i.name, i.epoch, i.clients, (%3$s)::"char" AS op, i.row_key, %5$s AS changed
-                      FROM %2$s
-                      %4$s
-                    OFFSET 0) z
-             WHERE z.op <> 'U' OR cardinality(z.changed) > 0$p$, v_id, v_from, v_op, v_src, v_changed_expr);
-            ELSE
-                v_src := format(v_src, 'k.key');
-                v_core := format($p$INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-            SELECT i.name, i.epoch, %1$s, k.op, i.row_key, k.changed, i.clients
-              FROM (SELECT (%3$s)::"char" AS op, %4$s AS key, %5$s AS changed FROM %2$s OFFSET 0) k
-              %6$s$p$, v_id, v_from, v_op, v_bulk_key, v_changed_expr, v_src);
-            END IF;
-            v_cores := v_cores || v_core;
-        END LOOP;
-        v_bulk := format($p$
-        v_jit := current_setting('jit');
-        PERFORM set_config('jit', 'off', true);%2$s
-        v_large := EXISTS (SELECT FROM %7$s OFFSET 1024);
-        SELECT min(i.name), max(i.name) INTO v_min, v_max FROM pgbroker.interest i WHERE i.watch_id = %1$s;
-        IF v_min = v_max THEN
-            IF v_large THEN
-                EXECUTE %5$L;
-                GET DIAGNOSTICS v_rows = ROW_COUNT;
-            ELSE
-            %3$s;
-                GET DIAGNOSTICS v_rows = ROW_COUNT;
-            END IF;
-            IF v_rows > 0 THEN
-                v_names := ARRAY[v_min];
-            END IF;
-        ELSIF v_min IS NOT NULL THEN
-            IF v_large THEN
-                EXECUTE %6$L INTO v_names;
-            ELSE
-            WITH ins AS (
-            %3$s
-            RETURNING name)
-            SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
-            END IF;
-        END IF;%4$s
-        PERFORM set_config('jit', v_jit, true);$p$, v_id,
-            CASE WHEN v_kind = 'upd' THEN $x$
-        v_mergejoin := current_setting('enable_mergejoin');
-        PERFORM set_config('enable_mergejoin', 'off', true);$x$ ELSE '' END,
-            v_cores[2],
-            CASE WHEN v_kind = 'upd' THEN $x$
-        PERFORM set_config('enable_mergejoin', v_mergejoin, true);$x$ ELSE '' END,
-            v_cores[1],
-            format('WITH ins AS (%s RETURNING name) SELECT array_agg(d.name) FROM (SELECT DISTINCT name FROM ins) d',
-                   v_cores[1]),
-            v_count_from);
-        -- PL/pgSQL plans a statement once per session, for the number of rows
-        -- in the transition table at its first run.  A plan made for a bulk
-        -- statement (a hash over every interest row of the table) would then
-        -- serve every single-row statement of that session, so small and
-        -- large statements run the same text from two places: two plans.
-        -- Up to 64 rows, one index probe per row is always the right plan.
-        v_body := format(v_head, v_id) || format($b$
-    SELECT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = %1$s AND row_key = 'null'::jsonb),
-           EXISTS (SELECT FROM %6$s OFFSET 64)
-      INTO v_whole, v_bulk;
-    IF v_whole THEN
-        v_jit := current_setting('jit');
-        PERFORM set_config('jit', 'off', true);
-        WITH ins AS (
-            INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-            SELECT t.name, t.epoch, %1$s, k.op, k.row_key, k.changed, t.clients
-              FROM %2$s
-             CROSS JOIN LATERAL (SELECT (%3$s)::"char" AS op, %4$s AS row_key) k0
-             CROSS JOIN LATERAL (SELECT k0.op, k0.row_key, CASE WHEN k0.op = 'U' THEN %5$s END AS changed) k
-             CROSS JOIN LATERAL (
-                   SELECT i.name, max(i.epoch) AS epoch, array_agg(DISTINCT c ORDER BY c) AS clients
-                     FROM pgbroker.interest i, unnest(i.clients) AS c
-                    WHERE i.watch_id = %1$s AND i.row_key IN (k.row_key, 'null'::jsonb)
-                    GROUP BY i.name) t
-             WHERE k.op <> 'U' OR cardinality(k.changed) > 0
-            RETURNING name)
-        SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
-        PERFORM set_config('jit', v_jit, true);
-    ELSIF NOT v_bulk THEN%7$s
-    ELSE%8$s
-    END IF;
-$b$, v_id, v_from, v_op, v_key, v_changed_expr, v_count_from, v_plain, v_bulk) || v_tail;
-        EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
-                       'SET search_path = pg_catalog, pg_temp%s AS %L', v_fn, v_settings, v_body);
-        EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,
-                       format('Internal: %s trigger of watched table %s (generated by pgbroker.watch).',
-                              upper(v_kind), v_table));
-    END LOOP;
-
-    -- TRUNCATE: every client with any interest in the table hears of it
-    -- (JIT off: the estimate grows with the table's interest rows).
-    v_fn := format('pgbroker._watch_%s_trunc', v_id);
-    v_body := format(v_head, v_id) || format($b$
-    v_jit := current_setting('jit');
-    PERFORM set_config('jit', 'off', true);
-    WITH ins AS (
-        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT i.name, max(i.epoch), %1$s, 'T', NULL, NULL,
-               ARRAY(SELECT DISTINCT c FROM pgbroker.interest j, unnest(j.clients) c
-                      WHERE j.watch_id = %1$s AND j.name = i.name ORDER BY 1)
-          FROM pgbroker.interest i
-         WHERE i.watch_id = %1$s
-         GROUP BY i.name
-        RETURNING name)
-    SELECT array_agg(d.name) INTO v_names FROM (SELECT DISTINCT name FROM ins) d;
-    PERFORM set_config('jit', v_jit, true);
-$b$, v_id) || v_tail;
-    EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
-                   'SET search_path = pg_catalog, pg_temp AS %L', v_fn, v_body);
-    EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn, format('Internal: TRUNCATE trigger of watched table %s (generated by pgbroker.watch).', v_table));
-
-    PERFORM pgbroker._watch_drop_triggers(p_watch);
-    EXECUTE format('CREATE TRIGGER _pgbroker_watch_ins AFTER INSERT ON %s REFERENCING NEW TABLE AS pgbroker_new '
-                   'FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._watch_%s_ins()', v_table, v_id);
-    EXECUTE format('CREATE TRIGGER _pgbroker_watch_upd AFTER UPDATE ON %s REFERENCING OLD TABLE AS pgbroker_old NEW TABLE AS pgbroker_new '
-                   'FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._watch_%s_upd()', v_table, v_id);
-    EXECUTE format('CREATE TRIGGER _pgbroker_watch_del AFTER DELETE ON %s REFERENCING OLD TABLE AS pgbroker_old '
-                   'FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._watch_%s_del()', v_table, v_id);
-    EXECUTE format('CREATE TRIGGER _pgbroker_watch_trunc AFTER TRUNCATE ON %s '
-                   'FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._watch_%s_trunc()', v_table, v_id);
-    EXECUTE format('COMMENT ON TRIGGER _pgbroker_watch_ins ON %s IS %L', v_table, 'pgbroker: tells subscribed clients of inserted rows.');
-    EXECUTE format('COMMENT ON TRIGGER _pgbroker_watch_upd ON %s IS %L', v_table, 'pgbroker: tells subscribed clients of updated rows.');
-    EXECUTE format('COMMENT ON TRIGGER _pgbroker_watch_del ON %s IS %L', v_table, 'pgbroker: tells subscribed clients of deleted rows.');
-    EXECUTE format('COMMENT ON TRIGGER _pgbroker_watch_trunc ON %s IS %L', v_table, 'pgbroker: tells every subscribed client of a TRUNCATE.');
-    -- Generated functions are internal: nobody calls them but the triggers.
-    EXECUTE format('REVOKE ALL ON FUNCTION pgbroker._watch_%1$s_ins(), pgbroker._watch_%1$s_upd(), '
-                   'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc() FROM PUBLIC', v_id);
+    RETURN jsonb_build_object(
+        'watch_id', p_watch.watch_id,
+        'ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed FROM pgbroker_new n$q$,
+                              v_key_n),
+        'del_changes', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed FROM pgbroker_old o$q$,
+                              v_key_o),
+        -- OLD and NEW rows paired by key: a key change is a D and an I, an
+        -- UPDATE that changes no column is no change.
+        'upd_changes', format($q$SELECT c.op, c.row_key, c.changed FROM (
+              SELECT (CASE WHEN %1$s THEN 'I' WHEN %2$s THEN 'D' ELSE 'U' END)::"char" AS op,
+                     CASE WHEN %2$s THEN %3$s ELSE %4$s END AS row_key,
+                     CASE WHEN %1$s OR %2$s THEN NULL ELSE %5$s END AS changed
+                FROM pgbroker_new n FULL JOIN pgbroker_old o ON %6$s) c
+             WHERE c.op <> 'U' OR cardinality(c.changed) > 0$q$,
+                              v_o_null, v_n_null, v_key_o, v_key_n, v_changed, v_same_key));
 END
 $$;
-COMMENT ON FUNCTION pgbroker._watch_install(pgbroker.watched) IS
+COMMENT ON FUNCTION pgbroker._watch_slots(pgbroker.watched) IS
+    'Internal: the SQL expressions (key, changed columns, the changes of each kind of statement) that fill the trigger templates for a watched table.';
+
+-- The source of a watched table's trigger function KIND (ins, upd, del, trunc).
+CREATE FUNCTION pgbroker._watch_function_body(p_watch pgbroker.watched, p_kind text)
+RETURNS text
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_slots jsonb := pgbroker._watch_slots(p_watch);
+    v_alive text := pgbroker._watch_alive_template();
+    v_fanout text;
+    v_body text;
+BEGIN
+    IF p_kind = 'trunc' THEN
+        v_body := pgbroker._watch_truncate_template();
+    ELSE
+        v_slots := v_slots || jsonb_build_object('changes', v_slots ->> (p_kind || '_changes'),
+                                                 'transition', CASE p_kind WHEN 'del' THEN 'pgbroker_old' ELSE 'pgbroker_new' END);
+        v_fanout := pgbroker._render(replace(pgbroker._watch_fanout_template(), '{{alive_and_woken:t}}',
+                                             pgbroker._render(v_alive, '{"r": "t"}')), v_slots);
+        v_body := replace(pgbroker._watch_trigger_template(), '{{fanout}}', v_fanout);
+        v_body := replace(v_body, '{{fanout_literal}}', quote_literal(v_fanout));
+    END IF;
+    v_body := replace(v_body, '{{alive_and_woken:t}}', pgbroker._render(v_alive, '{"r": "t"}'));
+    v_body := replace(v_body, '{{alive_and_woken:l}}', pgbroker._render(v_alive, '{"r": "l"}'));
+    RETURN pgbroker._render(v_body, v_slots - 'ins_changes' - 'del_changes' - 'upd_changes');
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_function_body(pgbroker.watched, text) IS
+    'Internal: render the trigger function of kind ins, upd, del or trunc of a watched table from the templates.';
+
+CREATE FUNCTION pgbroker._watch_install(p_watch pgbroker.watched, p_wait interval)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_table regclass := p_watch.relid::regclass;
+    v_kind text;
+    v_event text;
+    v_transitions text;
+    v_fn text;
+    -- Keys of a type whose to_jsonb() depends on session settings are
+    -- encoded under fixed ones (see _key_settings).
+    v_settings text := pgbroker._key_settings(p_watch.key_types);
+BEGIN
+    PERFORM pgbroker._watch_lock_table(v_table, p_wait);
+    PERFORM pgbroker._watch_drop_triggers(p_watch);
+    FOR v_kind, v_event, v_transitions IN
+        VALUES ('ins', 'INSERT', 'REFERENCING NEW TABLE AS pgbroker_new'),
+               ('upd', 'UPDATE', 'REFERENCING OLD TABLE AS pgbroker_old NEW TABLE AS pgbroker_new'),
+               ('del', 'DELETE', 'REFERENCING OLD TABLE AS pgbroker_old'),
+               ('trunc', 'TRUNCATE', '')
+    LOOP
+        v_fn := format('pgbroker._watch_%s_%s', p_watch.watch_id, v_kind);
+        -- SECURITY DEFINER: writers may not touch pgbroker's tables themselves.
+        -- JIT off: the planner estimates a join of transition tables at
+        -- rows(OLD) x rows(NEW) x 0.005, so large statements passed
+        -- jit_above_cost and were compiled, at more cost than it saved
+        -- (100,000 rows: 40% more), and PL/pgSQL would keep such a plan.
+        EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
+                       'SET search_path = pg_catalog, pg_temp SET jit = off%s AS %L',
+                       v_fn, CASE WHEN v_kind = 'trunc' THEN '' ELSE v_settings END,
+                       pgbroker._watch_function_body(p_watch, v_kind));
+        EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,
+                       format('Internal: %s trigger of watched table %s (generated by pgbroker.watch).', v_event, v_table));
+        -- Generated functions are internal: nobody calls them but the triggers.
+        EXECUTE format('REVOKE ALL ON FUNCTION %s() FROM PUBLIC', v_fn);
+        EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s %s FOR EACH STATEMENT EXECUTE FUNCTION %s()',
+                       '_pgbroker_watch_' || v_kind, v_event, v_table, v_transitions, v_fn);
+        EXECUTE format('COMMENT ON TRIGGER %I ON %s IS %L', '_pgbroker_watch_' || v_kind, v_table,
+                       format('pgbroker: tells subscribed clients of %s.',
+                              CASE v_kind WHEN 'ins' THEN 'inserted rows' WHEN 'upd' THEN 'updated rows'
+                                          WHEN 'del' THEN 'deleted rows' ELSE 'a TRUNCATE' END));
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_install(pgbroker.watched, interval) IS
     'Internal: (re)generate the trigger functions of a watched table and (re)create its triggers.';
 
 CREATE FUNCTION pgbroker._watch_drop_triggers(p_watch pgbroker.watched)
@@ -357,7 +388,7 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_drop_triggers(pgbroker.watched) IS 'Internal: drop the pgbroker triggers of a watched table.';
 
-CREATE FUNCTION pgbroker.watch("table" regclass)
+CREATE FUNCTION pgbroker.watch("table" regclass, wait interval DEFAULT '5 s')
 RETURNS integer
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -399,17 +430,18 @@ BEGIN
         RAISE EXCEPTION 'the primary key of % changed since it was watched', watch."table"
             USING ERRCODE = 'PB020', HINT = 'Subscriptions use the old key: unwatch() it, then watch() it again.';
     END IF;
-    PERFORM pgbroker._watch_install(v_watch);
+    PERFORM pgbroker._watch_install(v_watch, watch.wait);
     RETURN v_watch.watch_id;
 END
 $$;
-COMMENT ON FUNCTION pgbroker.watch(regclass) IS
+COMMENT ON FUNCTION pgbroker.watch(regclass, interval) IS
 $$Admin: watch TABLE (an ordinary table with a primary key; 42809 for a view or other relation, PB020 without a key).
 Installs statement-level triggers (INSERT, UPDATE, DELETE with transition tables; TRUNCATE) that write the subscribed
 clients of each changed row to the outbox and wake their brokers. Idempotent: call it again after ALTER TABLE adds or
-removes columns. Returns the watch id.$$;
+removes columns. Returns the watch id. Writers of the table never queue behind it: it asks for the table's lock in 50 ms
+tries with pauses between them, up to WAIT (NULL: no limit), then fails with PB022.$$;
 
-CREATE FUNCTION pgbroker.unwatch("table" regclass)
+CREATE FUNCTION pgbroker.unwatch("table" regclass, wait interval DEFAULT '5 s')
 RETURNS boolean
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -422,6 +454,9 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
+    IF to_regclass(v_watch.relid::regclass::text) IS NOT NULL THEN
+        PERFORM pgbroker._watch_lock_table(v_watch.relid::regclass, unwatch.wait);
+    END IF;
     PERFORM pgbroker._watch_drop_triggers(v_watch);
     EXECUTE format('DROP FUNCTION pgbroker._watch_%1$s_ins(), pgbroker._watch_%1$s_upd(), '
                    'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc()', v_watch.watch_id);
@@ -430,5 +465,5 @@ BEGIN
     RETURN true;
 END
 $$;
-COMMENT ON FUNCTION pgbroker.unwatch(regclass) IS
-    'Admin: remove the pgbroker triggers from TABLE, with its subscriptions and pending notifications; false when it was not watched.';
+COMMENT ON FUNCTION pgbroker.unwatch(regclass, interval) IS
+    'Admin: remove the pgbroker triggers from TABLE, with its subscriptions and pending notifications; false when it was not watched. Takes the table''s lock as watch() does (PB022 after WAIT).';
