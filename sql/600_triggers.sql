@@ -3,24 +3,26 @@
 -- pgbroker.watch(table) installs, on a table with a primary key, three
 -- statement-level triggers with transition tables (INSERT, UPDATE, DELETE)
 -- and a TRUNCATE trigger.  Their functions are generated per table from the
--- templates below (_watch_template), whose {{slots}} _watch_install() fills
--- with the table's key and columns.  The rendering for initech.objects is
--- committed as sql/reference/initech_objects_triggers.sql (a test keeps it
--- current), so this is what a writer runs after a single-row UPDATE:
+-- templates below, whose {{slots}} _watch_install() fills with the table's
+-- key and columns.  The rendering for initech.objects is committed as
+-- sql/reference/initech_objects_triggers.sql (a test keeps it current).
+-- After a single-row UPDATE a writer runs:
 --
 --   1. one try-lock, never a wait: the table's watch lock, shared, held to
 --      commit; it orders the writer against subscribe() (400_subscriptions.sql);
---   2. one INSERT ... SELECT: for each change (I, U with the changed columns,
+--   2. one SELECT: is the statement large, does the table have whole-table
+--      subscribers (two index probes);
+--   3. one INSERT ... SELECT: for each change (I; U with the changed columns;
 --      D; a key change is a D and an I; an UPDATE that changes nothing is no
---      change), the subscribers of its key merged with the table's whole-table
---      subscribers, per broker (pgbroker.interest: one index probe), one outbox
---      row per change and broker whose holder is alive; and, for each such
---      broker, the wake-up: a pg_notify only when it sleeps (500_outbox.sql).
+--      change) the subscribers of its key, per broker (pgbroker.interest: one
+--      index probe), one outbox row per change and broker whose holder is
+--      alive; and for each such broker the wake-up test, which sends a
+--      pg_notify only when it sleeps (500_outbox.sql).
 --
--- Statements of more than 1,024 rows run the same INSERT through EXECUTE, so
--- that it is planned for their size (hash joins) rather than with the plan
--- cached for small ones (an index probe per row).  JIT is off in the trigger
--- functions (see _watch_install).
+-- Statements of more than 1,024 rows run an INSERT planned for their size
+-- (EXECUTE: hash joins instead of the cached plan's index probe per row), and
+-- test each broker once rather than per row.  Changes of a table with
+-- whole-table subscribers merge those into each change's (per broker).
 --
 -- Two cases are conservative rather than exact, so that no writer ever waits:
 -- when the watch lock is taken (a subscribe() is under way), and in a
@@ -31,16 +33,57 @@
 -- some clients (or none) would have heard of: at-least-once, never a gap.
 
 -- ---------------------------------------------------------------------------
--- Templates.
+-- Templates.  {{watch_id}}: the table's watch; {{changes}}: a query of the
+-- statement's changes (op, row_key, changed); {{alive_and_woken:X}}: the
+-- liveness and wake-up test of the broker of row X (a lease or interest row).
 
--- The one statement that fans changes out.  {{changes}} is a query of the
--- statement's changes (op, row_key, changed); {{watch_id}} the table's watch.
+-- Small statements (the cached plan): one interest probe per change.
 CREATE FUNCTION pgbroker._watch_fanout_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
+          FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                  FROM ({{changes}} OFFSET 0) k
+                 CROSS JOIN LATERAL (
+                       -- An index probe per change, whatever the size the plan was made for
+                       -- (a hash of the table's interest rows would then serve every later call).
+                       SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
+                        WHERE j.watch_id = {{watch_id}} AND j.row_key = k.row_key OFFSET 0) i
+                OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+         WHERE {{alive_and_woken:z}}$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_fanout_template() IS
+    'Internal: template of the INSERT ... SELECT by which the watch triggers fan out the changes of a small statement.';
+
+-- Large statements (planned at each run): each broker with interest in the
+-- table is tested (and woken) once, then joined.
+CREATE FUNCTION pgbroker._watch_bulk_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+        WITH live AS MATERIALIZED (
+            SELECT l.name FROM pgbroker.lease l
+             WHERE l.state = 'held' AND l.expires_at IS NULL
+               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j WHERE j.watch_id = {{watch_id}} AND j.name = l.name)
+                        THEN {{alive_and_woken:l}} END)
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT i.name, i.epoch, {{watch_id}}, k.op, k.row_key, k.changed, i.clients
+          FROM ({{changes}} OFFSET 0) k
+          JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
+          JOIN live ON live.name = i.name$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_bulk_template() IS
+    'Internal: template of the INSERT ... SELECT by which the watch triggers fan out the changes of a large statement.';
+
+-- Tables with whole-table subscribers: each change's subscribers merged with
+-- those, per broker.
+CREATE FUNCTION pgbroker._watch_merged_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
         WITH whole AS MATERIALIZED (
-            -- Whole-table subscribers, per broker (usually none).
             SELECT i.name, i.epoch, i.lock_key, i.clients
               FROM pgbroker.interest i
              WHERE i.watch_id = {{watch_id}} AND i.row_key = 'null'::jsonb)
@@ -64,18 +107,18 @@ AS $template$ SELECT $t$
                ) AS t (name, epoch, lock_key, clients)
          WHERE {{alive_and_woken:t}}$t$
 $template$;
-COMMENT ON FUNCTION pgbroker._watch_fanout_template() IS
-    'Internal: template of the INSERT ... SELECT by which the watch triggers fan changes out (see sql/600_triggers.sql).';
+COMMENT ON FUNCTION pgbroker._watch_merged_template() IS
+    'Internal: template of the INSERT ... SELECT of a table with whole-table subscribers (merged per change and broker).';
 
--- Whether the holder of the broker of row R is alive, and if so its wake-up.
--- Evaluated per outbox row before it is written, in this order:
+-- Whether the holder of the broker of row {{r}} is alive, and if so its
+-- wake-up.  Evaluated before the outbox row is written, in this order:
 --   - no session holds the lease (the alive lock is free, and this session
 --     is not the holder): write nothing;
 --   - the broker is going to sleep (broker_sleep() holds or awaits the drain
 --     lock): NOTIFY it;
---   - it sleeps (the awake lock is free): NOTIFY it, still holding the drain
---     lock shared to commit, so broker_sleep() waits for this transaction or
---     it hears the NOTIFY;
+--   - it sleeps (the awake lock is free): NOTIFY it, holding the drain lock
+--     shared to commit, so broker_sleep() waits for this transaction or it
+--     hears the NOTIFY;
 --   - it is awake and draining: it will see the row.
 -- A lock test and not a row a snapshot could hide: right at every isolation
 -- level.  A NOTIFY repeated in one transaction is sent once.
@@ -99,31 +142,50 @@ AS $template$ SELECT $t$CASE
         END$t$
 $template$;
 COMMENT ON FUNCTION pgbroker._watch_alive_template() IS
-    'Internal: template of the per-row test "is the broker alive, and wake it if it sleeps" of the watch triggers.';
+    'Internal: template of the test "is the broker alive, and wake it if it sleeps" of the watch triggers.';
 
--- The trigger function of INSERT, UPDATE and DELETE.  {{transition}} is the
--- transition table that counts the statement's rows.
+-- The trigger function of INSERT, UPDATE and DELETE.  {{transition}}: the
+-- transition table that counts the statement's rows.  JIT is off for large
+-- and merging statements: the planner estimates a join of transition tables
+-- at rows(OLD) x rows(NEW) x 0.005, so from about 15,000 rows it passed
+-- jit_above_cost and compiled, at more cost than it saved (100,000 rows: 40%).
 CREATE FUNCTION pgbroker._watch_trigger_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$
+DECLARE
+    v_large boolean;
+    v_whole boolean;
+    v_jit text;
 BEGIN
     IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
        AND current_setting('transaction_isolation') = 'read committed' THEN
-        IF NOT EXISTS (SELECT FROM {{transition}} OFFSET 1024) THEN
+        SELECT EXISTS (SELECT FROM {{transition}} OFFSET 1024),
+               EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb)
+          INTO v_large, v_whole;
+        IF NOT v_large AND NOT v_whole THEN
 {{fanout}};
         ELSE
-            EXECUTE {{fanout_literal}};  -- planned for this statement's size
+            v_jit := current_setting('jit');
+            PERFORM set_config('jit', 'off', true);
+            IF v_whole THEN
+{{merged}};
+            ELSE
+                EXECUTE {{bulk_literal}};
+            END IF;
+            PERFORM set_config('jit', v_jit, true);
         END IF;
     ELSE
         -- A subscribe() is under way, or the snapshot may predate one: every
         -- live broker gets the changes, their clients resolved when fetched.
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT l.name, l.epoch, {{watch_id}}, k.op, k.row_key, k.changed, NULL
-          FROM ({{changes}} OFFSET 0) k
-         CROSS JOIN pgbroker.lease l
-         WHERE l.state = 'held' AND l.expires_at IS NULL
-           AND {{alive_and_woken:l}};
+        SELECT l.name, l.epoch, {{watch_id}}, l.op, l.row_key, l.changed, NULL
+          FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed
+                  FROM ({{changes}} OFFSET 0) k
+                 CROSS JOIN pgbroker.lease b
+                 WHERE b.state = 'held' AND b.expires_at IS NULL
+                OFFSET 0) l
+         WHERE {{alive_and_woken:l}};
     END IF;
     RETURN NULL;
 END
@@ -138,9 +200,12 @@ CREATE FUNCTION pgbroker._watch_truncate_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$
+DECLARE
+    v_jit text := current_setting('jit');
 BEGIN
     IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
        AND current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM set_config('jit', 'off', true);  -- the estimate grows with the table's interest rows
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT t.name, t.epoch, {{watch_id}}, 'T', NULL, NULL, t.clients
           FROM (SELECT i.name, max(i.epoch) AS epoch, min(i.lock_key) AS lock_key,
@@ -150,6 +215,7 @@ BEGIN
                  WHERE i.watch_id = {{watch_id}}
                  GROUP BY i.name) t
          WHERE {{alive_and_woken:t}};
+        PERFORM set_config('jit', v_jit, true);
     ELSE
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT l.name, l.epoch, {{watch_id}}, 'T', NULL, NULL, NULL
@@ -295,22 +361,28 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_slots jsonb := pgbroker._watch_slots(p_watch);
-    v_alive text := pgbroker._watch_alive_template();
-    v_fanout text;
     v_body text;
+    v_row text;
 BEGIN
     IF p_kind = 'trunc' THEN
         v_body := pgbroker._watch_truncate_template();
     ELSE
+        v_body := pgbroker._watch_trigger_template();
+        -- The statements first (their own slots are filled below) ...
+        v_body := replace(v_body, '{{fanout}}', pgbroker._watch_fanout_template());
+        v_body := replace(v_body, '{{merged}}', pgbroker._watch_merged_template());
+        v_body := replace(v_body, '{{bulk_literal}}', quote_literal(
+                              pgbroker._render(replace(pgbroker._watch_bulk_template(), '{{alive_and_woken:l}}',
+                                                       pgbroker._render(pgbroker._watch_alive_template(), '{"r": "l"}')),
+                                               v_slots || jsonb_build_object('changes', v_slots ->> (p_kind || '_changes')))));
         v_slots := v_slots || jsonb_build_object('changes', v_slots ->> (p_kind || '_changes'),
                                                  'transition', CASE p_kind WHEN 'del' THEN 'pgbroker_old' ELSE 'pgbroker_new' END);
-        v_fanout := pgbroker._render(replace(pgbroker._watch_fanout_template(), '{{alive_and_woken:t}}',
-                                             pgbroker._render(v_alive, '{"r": "t"}')), v_slots);
-        v_body := replace(pgbroker._watch_trigger_template(), '{{fanout}}', v_fanout);
-        v_body := replace(v_body, '{{fanout_literal}}', quote_literal(v_fanout));
     END IF;
-    v_body := replace(v_body, '{{alive_and_woken:t}}', pgbroker._render(v_alive, '{"r": "t"}'));
-    v_body := replace(v_body, '{{alive_and_woken:l}}', pgbroker._render(v_alive, '{"r": "l"}'));
+    -- ... then the liveness tests, then the table's expressions.
+    FOREACH v_row IN ARRAY ARRAY['z', 't', 'l'] LOOP
+        v_body := replace(v_body, '{{alive_and_woken:' || v_row || '}}',
+                          pgbroker._render(pgbroker._watch_alive_template(), jsonb_build_object('r', v_row)));
+    END LOOP;
     RETURN pgbroker._render(v_body, v_slots - 'ins_changes' - 'del_changes' - 'upd_changes');
 END
 $$;
@@ -342,12 +414,8 @@ BEGIN
     LOOP
         v_fn := format('pgbroker._watch_%s_%s', p_watch.watch_id, v_kind);
         -- SECURITY DEFINER: writers may not touch pgbroker's tables themselves.
-        -- JIT off: the planner estimates a join of transition tables at
-        -- rows(OLD) x rows(NEW) x 0.005, so large statements passed
-        -- jit_above_cost and were compiled, at more cost than it saved
-        -- (100,000 rows: 40% more), and PL/pgSQL would keep such a plan.
         EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
-                       'SET search_path = pg_catalog, pg_temp SET jit = off%s AS %L',
+                       'SET search_path = pg_catalog, pg_temp%s AS %L',
                        v_fn, CASE WHEN v_kind = 'trunc' THEN '' ELSE v_settings END,
                        pgbroker._watch_function_body(p_watch, v_kind));
         EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,

@@ -51,6 +51,8 @@ DROP FUNCTION pgbroker._render(text, jsonb);
 DROP FUNCTION pgbroker._watch_truncate_template();
 DROP FUNCTION pgbroker._watch_trigger_template();
 DROP FUNCTION pgbroker._watch_alive_template();
+DROP FUNCTION pgbroker._watch_merged_template();
+DROP FUNCTION pgbroker._watch_bulk_template();
 DROP FUNCTION pgbroker._watch_fanout_template();
 DROP TRIGGER _500_clear_outbox ON pgbroker.lease;
 DROP FUNCTION pgbroker.outbox_ack(text, bigint[]);
