@@ -8,13 +8,18 @@ confirmed for ``guard`` seconds: ``check()`` raises) and, server side, the
 broker session's ``idle_session_timeout`` (``dead_man``), which ends the
 session and frees the lease.  ``guard < dead_man`` is enforced by the
 Broker, so the holder steps down before the server can free its lock, and a
-successor waiting on the lease cannot act before that.  The history (claims,
+successor waiting on the lease cannot act before that.  Without ``dead_man``
+nothing would ever free the lease: the server's keepalives are answered.
+And ``close()`` returns while the connection is still frozen: the stuck
+heartbeat holds the connection's lock, so after ``keepalive.user_timeout``
++ 1 s the broker shuts its socket down (it used to wait forever).  The history (claims,
 fenced writes, the step-down) is checked against ``pgbroker.lease_history``
 and the fenced rows on the server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -31,11 +36,12 @@ from history import History, now_ns
 from lease_util import backend_gone, wait_until
 from tcp_proxy import TcpProxy
 
-from pgbroker import Broker, LeaseLost
+from pgbroker import AsyncBroker, Broker, Keepalive, LeaseLost
 
 NAME = "frozen"
 DEAD_MAN = 2.0
 HEARTBEAT = 0.2
+USER_TIMEOUT = 2.5
 
 
 def test_frozen_connection_broker_steps_down_before_the_server_frees_the_lease(pg_server, db_name, connect, tmp_path):
@@ -50,6 +56,7 @@ def test_frozen_connection_broker_steps_down_before_the_server_frees_the_lease(p
             NAME,
             heartbeat_interval=HEARTBEAT,
             dead_man=DEAD_MAN,
+            keepalive=Keepalive(user_timeout=USER_TIMEOUT),
             on_lost=lambda exc: lost.append((now_ns(), exc)),
         )
         try:
@@ -102,8 +109,16 @@ def test_frozen_connection_broker_steps_down_before_the_server_frees_the_lease(p
             a_thread.join(5)
             assert "epoch" in b_done and stepped_down, "B never took over, or A never stepped down"
             lost_during_freeze = list(lost)
+            # Still frozen: close() must not wait forever for the stuck heartbeat (it holds the
+            # connection's lock): after keepalive.user_timeout + 1 s it shuts the socket down.
+            closing = threading.Thread(target=broker.close, daemon=True)
+            close_started = time.monotonic()
+            closing.start()
+            closing.join(broker.keepalive.user_timeout + 5)
+            close_s = time.monotonic() - close_started
+            assert not closing.is_alive(), "close() hangs behind the frozen connection"
         finally:
-            proxy.reset()  # RST: the broker's stuck heartbeat fails now, and close() does not wait
+            proxy.reset()  # RST: whatever still waits on the proxy fails now
             broker.close()
 
     detection_ms = (stepped_down[0] - frozen_at) / 1e6
@@ -113,13 +128,16 @@ def test_frozen_connection_broker_steps_down_before_the_server_frees_the_lease(p
         f"\nFIGURE connection frozen: detection {detection_ms:.0f} ms (guard {broker.guard * 1000:.0f} ms, heartbeat "
         f"{HEARTBEAT * 1000:.0f} ms); server ended the session ~{server_ms:.0f} ms (dead_man {DEAD_MAN * 1000:.0f} ms);"
         f" successor held the lease {successor_ms:.0f} ms after the freeze; on_lost during the freeze:"
-        f" {len(lost_during_freeze)}, after the proxy reset it: {len(lost) - len(lost_during_freeze)}"
+        f" {len(lost_during_freeze)}; close() while frozen took {close_s * 1000:.0f} ms (user_timeout"
+        f" {USER_TIMEOUT * 1000:.0f} ms + 1 s, then the socket is shut down) and fired on_lost"
+        f" {len(lost) - len(lost_during_freeze)} time(s)"
     )
     # A steps down before the server frees the lock, hence before B can claim.
     assert stepped_down[0] < b_done["claimed"]
     assert detection_ms < DEAD_MAN * 1000
     assert b_done["epoch"] > epoch_a
-    assert broker.lost and len(lost) == 1  # the reset made the loss certain: on_lost once
+    assert not lost_during_freeze  # no confirmed loss while frozen: check() and its guard are the step-down
+    assert broker.lost and len(lost) == 1  # close() cut the stuck connection: a certain loss, on_lost once
 
     rec_a.close()
     rec_b.close()
@@ -142,3 +160,50 @@ def test_frozen_connection_broker_steps_down_before_the_server_frees_the_lease(p
         raise AssertionError("the old epoch still passes broker_assert")
     except psycopg.Error as exc:
         assert exc.sqlstate == "PB002"
+
+
+def test_frozen_connection_async_broker_steps_down_and_closes(pg_server, db_name, connect):
+    """The asyncio flavour: check() raises within its guard, and close() returns while still frozen."""
+    obs = connect("observer")
+    lost: list[LeaseLost] = []
+
+    async def scenario() -> tuple[float, float, int]:
+        with TcpProxy(pg_server.host, pg_server.port) as proxy:
+            broker = AsyncBroker(
+                proxy.url(db_name),
+                "afrozen",
+                heartbeat_interval=HEARTBEAT,
+                dead_man=DEAD_MAN,
+                keepalive=Keepalive(user_timeout=USER_TIMEOUT),
+                on_lost=lost.append,
+            )
+            try:
+                await broker.claim()
+                pid = broker.pid
+                await asyncio.sleep(0.3)
+                frozen_at = time.monotonic()
+                proxy.freeze()
+                while True:
+                    try:
+                        broker.check()
+                    except LeaseLost:
+                        detected = time.monotonic() - frozen_at
+                        break
+                    await asyncio.sleep(0.005)
+                assert not lost
+                started = time.monotonic()
+                await asyncio.wait_for(broker.close(), USER_TIMEOUT + 5)
+                return detected, time.monotonic() - started, pid
+            finally:
+                proxy.reset()
+                await broker.close()
+
+    detected, close_s, pid = asyncio.run(scenario())
+    print(
+        f"\nFIGURE connection frozen (asyncio): detection {detected * 1000:.0f} ms; close() while frozen took"
+        f" {close_s * 1000:.0f} ms"
+    )
+    assert detected < DEAD_MAN and len(lost) == 1
+    wait_until(lambda: backend_gone(obs, pid), timeout=10, what="the server to end the session")
+    rows = server_history(obs, "afrozen")
+    assert [r["event"] for r in rows] == ["claim"] and not check_lease([], rows, "afrozen")
