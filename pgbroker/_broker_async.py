@@ -394,14 +394,23 @@ class AsyncBroker(_BrokerBase):
         self._stopping = True
         waiter.wake()
         # A heartbeat stuck on a dead network ends within keepalive.user_timeout.
+        # One stuck behind a hung middlebox (TCP alive, nothing forwarded) never
+        # does, and it holds the lock every other call needs: shut the socket
+        # down, so that it fails at once (tests/faults/test_connection_frozen.py).
         if True:  # ASYNC
             if runner is not asyncio.current_task():
                 done, _ = await asyncio.wait({runner}, timeout=self.keepalive.user_timeout + 1.0)
+                if not done:
+                    self._shutdown_socket()
+                    done, _ = await asyncio.wait({runner}, timeout=1.0)
                 if not done:
                     runner.cancel()
         else:
             if runner is not threading.current_thread():
                 runner.join(self.keepalive.user_timeout + 1.0)
+                if runner.is_alive():
+                    self._shutdown_socket()
+                    runner.join(1.0)
         waiter.close()
         self._runner = self._waiter = None
 

@@ -434,6 +434,23 @@ class _BrokerBase(abc.ABC):
                 self._state = "lost"
             return self._lost
 
+    def _shutdown_socket(self) -> None:
+        """Shut the broker connection's socket down (both ways) without closing it.
+
+        A thread or task blocked reading it wakes up at once with end-of-file,
+        and its statement fails (the session counts as lost); the connection
+        is closed later as usual.
+        """
+        conn = getattr(self, "_conn", None)
+        if conn is None or conn.closed:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            sock = socket.socket(fileno=os.dup(conn.fileno()))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+
     def _not_open(self) -> LeaseLost:
         """The error for a call on a connection that is gone (closed by us, or dropped)."""
         if self._state == "held":
