@@ -1,9 +1,11 @@
 """The README's plain-SQL broker loop ("Other languages: the broker loop in psql"), run by psql
-alone: one psql session claims, LISTENs and drains the outbox turn after turn while an
-application writes."""
+alone (one psql session claims, LISTENs and drains the outbox turn after turn while an
+application writes) and by Node.js with the pg package (skipped, saying why, where node or pg
+is not installed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -108,3 +110,55 @@ def test_the_readme_broker_loop_runs_in_psql_alone(db_url, connect):
     assert code == 0
     # The session ended: so did the lease.
     assert obs.execute("SELECT alive FROM pgbroker.brokers WHERE name = 'psql-broker'").fetchone()[0] is False
+
+
+NODE = shutil.which("node")
+
+
+def readme_node_broker() -> str:
+    text = README.read_text()
+    section = text[text.index("## Other languages: the broker loop in psql") :]
+    return re.search(r"^```js\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL).group(1)
+
+
+def _skip(reason: str) -> None:
+    print(f"skipped: {reason}")
+    pytest.skip(reason)
+
+
+def test_the_readme_broker_loop_runs_in_node(db_url, connect, tmp_path):
+    if NODE is None:
+        _skip("node is not installed (Debian: apt-get install nodejs), so the Node.js broker loop is not run")
+    env = dict(os.environ)
+    found = subprocess.run([NODE, "-e", "require.resolve('pg')"], env=env, capture_output=True, timeout=60)
+    if found.returncode != 0:
+        _skip("node's pg package is not installed (npm install pg, and NODE_PATH=<its node_modules>)")
+    script = tmp_path / "broker.js"
+    script.write_text(readme_node_broker())
+    proc = subprocess.Popen([NODE, str(script), db_url, "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        ready = json.loads(proc.stdout.readline() or "null")
+        assert ready is not None and ready["ready"] is True, proc.stderr.read()
+        obs = connect("obs")
+        row = obs.execute("SELECT epoch, holder_application, alive FROM pgbroker.brokers WHERE name = 'node-broker'")
+        assert row.fetchone() == (ready["epoch"], "node-broker", True)
+
+        app = connect("app")
+        app.execute("INSERT INTO initech.objects (id, name) VALUES (7, 'seven'), (8, 'eight')")
+        app.execute("UPDATE initech.objects SET name = 'new' WHERE id = 7")
+        app.execute("DELETE FROM initech.objects WHERE id = 8")
+        delivered = [json.loads(proc.stdout.readline()) for _ in range(2)]
+        assert delivered == [{"op": "I", "key": 7}, {"op": "U", "key": 7}]
+
+        # The broker acknowledges with its next fetch: the outbox empties.
+        deadline = time.monotonic() + 10
+        while obs.execute("SELECT count(*) FROM pgbroker.outbox_pending WHERE name = 'node-broker'").fetchone()[0]:
+            assert time.monotonic() < deadline, "the Node.js broker did not acknowledge its batch"
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
