@@ -450,7 +450,7 @@ def downgrade(url: str | None, revision: str) -> int:
     return EXIT_OK
 
 
-@cli.command("versions-path")
+@cli.command("versions-path", short_help="The revisions directory, for alembic version_locations.")
 def versions_path() -> int:
     """Print the revisions directory (for alembic version_locations)."""
     from pgbroker.install import versions_path
@@ -460,6 +460,7 @@ def versions_path() -> int:
 
 
 @cli.command(
+    short_help="The lease at work, on a throwaway PostgreSQL.",
     epilog="Without --url a throwaway PostgreSQL is started ($DATABASE_URL is not used).",
 )
 @click.option("--url", metavar="URL", help="Run against this database instead (pgbroker is installed if needed).")
@@ -531,7 +532,7 @@ def _status_once(url: str, out: Output, as_json: bool) -> int:
     return EXIT_OK
 
 
-@cli.command()
+@cli.command(short_help="Revision, leases, clients and outbox per broker.")
 @_url_option
 @_json_option
 @click.option(
@@ -561,7 +562,7 @@ def status(url: str | None, as_json: bool, every: float | None) -> int:
         return EXIT_OK
 
 
-@cli.command()
+@cli.command(short_help="Claims, takeovers and releases.")
 @_url_option
 @_name_option
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1), help="The last N events.")
@@ -582,7 +583,7 @@ def history(url: str | None, name: str | None, limit: int, as_json: bool) -> int
     return EXIT_OK
 
 
-@cli.command()
+@cli.command(short_help="Clients of live brokers.")
 @_url_option
 @_name_option
 @_json_option
@@ -633,7 +634,7 @@ def _prometheus_labels(labels: dict[str, Any]) -> str:
     return "{" + ",".join(escaped) + "}"
 
 
-@cli.command()
+@cli.command(short_help="pgbroker.metrics in Prometheus' text format.")
 @_url_option
 @_command
 def metrics(url: str | None) -> int:
@@ -655,7 +656,7 @@ def metrics(url: str | None) -> int:
 # Changing: watch, unwatch, prune (pgbroker_admin).
 
 
-@cli.command("watch")
+@cli.command("watch", short_help="Install the fan-out triggers on TABLE (pgbroker_admin).")
 @click.argument("table")
 @_url_option
 @_command
@@ -672,7 +673,7 @@ def watch_table(table: str, url: str | None) -> int:
     return EXIT_OK
 
 
-@cli.command("unwatch")
+@cli.command("unwatch", short_help="Remove the fan-out triggers from TABLE (pgbroker_admin).")
 @click.argument("table")
 @_url_option
 @_command
@@ -685,7 +686,7 @@ def unwatch_table(table: str, url: str | None) -> int:
     return EXIT_OK
 
 
-@cli.command()
+@cli.command(short_help="Trim the lease history (pgbroker_admin).")
 @_url_option
 @click.option("--older-than", default="30 days", show_default=True, metavar="INTERVAL", help="A PostgreSQL interval.")
 @_command
@@ -863,7 +864,7 @@ def _doctor_findings(url: str) -> list[dict[str, Any]]:
     return findings
 
 
-@cli.command()
+@cli.command(short_help="Check a database and the connection to it; say what to fix.")
 @_url_option
 @_json_option
 @_command

@@ -514,3 +514,30 @@ def test_tables_are_drawn_with_colours_on_a_terminal_and_plain_otherwise(db_url,
 
     plain = pgbroker("status", "--url", db_url).stdout
     assert "┃" not in plain and "\x1b[" not in plain and "cli-fan" in plain
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["no-such-command"], "No such command 'no-such-command'"),
+        (["status", "--watch", "0"], "--watch"),
+        (["history", "--limit", "none"], "--limit"),
+        (["watch"], "Missing argument 'TABLE'"),
+    ],
+)
+def test_usage_errors_exit_2_with_the_usage(args, says):
+    result = pgbroker(*args, env_url="postgresql://postgres@127.0.0.1:1/nowhere")
+    assert result.returncode == 2, result
+    assert says in result.stderr and "Usage: pgbroker" in result.stderr
+    assert result.stdout == ""
+
+
+def test_help_lists_every_command_and_the_exit_codes():
+    result = pgbroker("--help")
+    assert result.returncode == 0, result.stderr
+    commands = result.stdout[result.stdout.index("Commands:") :].split()
+    for command in ("migrate", "downgrade", "status", "history", "clients", "subscriptions", "watch", "unwatch"):
+        assert command in commands
+    for command in ("prune", "metrics", "doctor", "demo", "versions-path"):
+        assert command in commands
+    assert "Exit codes: 0 success, 1 failure, 2 usage error" in " ".join(result.stdout.split())
