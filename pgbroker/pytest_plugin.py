@@ -146,7 +146,6 @@ def _janitor(server: Any, dbname: str, template: str | None = None) -> Any:
         port=server.port,
         dbname=dbname,
         template_dbname=template,
-        version=server.executor.version if getattr(server, "executor", None) is not None else None,
     )
 
 

@@ -163,3 +163,23 @@ def test_a_role_without_pgbroker_reader_cannot_read_the_console(connect):
     for view in ("broker_overview", "health", "metrics"):
         with pytest.raises(Exception, match="permission denied"):
             nobody.execute(f"SELECT * FROM pgbroker.{view}")
+
+
+def test_a_stale_takeover_of_a_hung_broker_process_shows_in_the_console(pgbroker_process, pgbroker_db):
+    """With the pytest plugin's fixtures: a broker process is SIGSTOPped and replaced after stale_after."""
+    import psycopg
+
+    from pgbroker import Broker
+
+    hung = pgbroker_process("orders", heartbeat_interval=0.2)
+    with psycopg.connect(pgbroker_db, autocommit=True) as obs:
+        assert obs.execute("SELECT alive, takeovers FROM pgbroker.broker_overview").fetchall() == [(True, 0)]
+        hung.stop()  # SIGSTOP: its session stays open, its heartbeats stop
+        with Broker(pgbroker_db, "orders", wait=10, stale_after=1.0) as standby:
+            assert standby.epoch > hung.epoch
+            row = obs.execute("SELECT epoch, alive, takeovers, holder_pid FROM pgbroker.broker_overview").fetchone()
+            assert row == (standby.epoch, True, 1, standby.pid)
+            samples = dict(obs.execute("SELECT metric, value FROM pgbroker.metrics WHERE labels->>'name' = 'orders'"))
+            assert samples["pgbroker_broker_takeovers"] == 1 and samples["pgbroker_broker_alive"] == 1
+            events = [r[0] for r in obs.execute("SELECT event FROM pgbroker.lease_history ORDER BY id")]
+            assert events == ["claim", "stale_takeover"]
