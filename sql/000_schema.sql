@@ -6,7 +6,7 @@
 --   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
 --   600 triggers, watch()          650 named locks      660 semaphores
 --   670 key-value store            680 counters         700 views
---   900 privileges                 950 initech.objects (the optional reference table)
+--   750 console, health, metrics   900 privileges                 950 initech.objects (the optional reference table)
 -- migrations/ holds alembic revisions generated from these files
 -- (migrations/build_baseline.py); a test proves both give the same catalog.
 

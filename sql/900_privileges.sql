@@ -38,7 +38,10 @@ GRANT SELECT ON
     pgbroker.locks,
     pgbroker.semaphores,
     pgbroker.kv,
-    pgbroker.counters
+    pgbroker.counters,
+    pgbroker.broker_overview,
+    pgbroker.health,
+    pgbroker.metrics
 TO pgbroker_reader;
 GRANT EXECUTE ON FUNCTION
     pgbroker.broker_alive(text)

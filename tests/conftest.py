@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import psycopg
@@ -25,6 +26,12 @@ from pytest_postgresql.executors import PostgreSQLExecutor
 
 from pgbroker import install
 from pgbroker._embedded import SERVER_OPTIONS, SUPERUSER, TIMEOUT, EmbeddedPostgres, pg_ctl_command
+
+# pgbroker's own pytest plugin (pgbroker/pytest_plugin.py), for the tests that use its fixtures
+# (pgbroker_db, pgbroker_broker, pgbroker_process).  An installed pgbroker loads it through its
+# pytest11 entry point; a checkout that is not installed loads it here.
+if not any(ep.value == "pgbroker.pytest_plugin" for ep in entry_points(group="pytest11")):
+    pytest_plugins = ["pgbroker.pytest_plugin"]
 
 TEMPLATE = "pgbroker_tmpl"
 _counter = itertools.count()

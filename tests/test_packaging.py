@@ -101,6 +101,7 @@ def test_wheel_ships_migrations_and_sql(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "pgbroker/migrations/env.py" in names
     assert "pgbroker/py.typed" in names
+    assert "pgbroker/queries.yaml" in names
     versions = REPO / "migrations" / "versions"
     for path in [*versions.glob("*.sql"), *versions.glob("*.py")]:
         assert f"pgbroker/migrations/versions/{path.name}" in names, path.name
@@ -179,14 +180,15 @@ def test_ci_fails_when_pytest_collects_no_tests(tmp_path):
 # Runtime dependencies
 
 
-def test_runtime_dependencies_are_alembic_sqlalchemy_and_psycopg_only(wheel):
+def test_runtime_dependencies_are_alembic_sqlalchemy_psycopg_click_and_rich_only(wheel):
     with zipfile.ZipFile(wheel) as zf:
         metadata = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     names = [re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requires if "extra ==" not in r]
     runtime = sorted(names)
-    assert runtime == ["alembic", "psycopg", "sqlalchemy"], requires
-    assert any(r.startswith("pytest-postgresql") and "extra == 'test'" in r.replace('"', "'") for r in requires)
+    assert runtime == ["alembic", "click", "psycopg", "rich", "sqlalchemy"], requires
+    for test_only in ("pytest-postgresql", "pyyaml"):
+        assert any(r.lower().startswith(test_only) and "extra == 'test'" in r.replace('"', "'") for r in requires)
 
 
 def test_the_package_imports_no_test_package():

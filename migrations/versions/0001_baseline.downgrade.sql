@@ -4,6 +4,9 @@ SELECT pgbroker.unwatch(relid::regclass) FROM pgbroker.watched WHERE to_regclass
 DELETE FROM pgbroker.watched;
 SELECT pgbroker._set_database_search_path(false);
 
+DROP VIEW pgbroker.metrics;
+DROP VIEW pgbroker.health;
+DROP VIEW pgbroker.broker_overview;
 DROP VIEW pgbroker.counters;
 DROP VIEW pgbroker.kv;
 DROP VIEW pgbroker.semaphores;

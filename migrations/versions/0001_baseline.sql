@@ -10,7 +10,7 @@
 --   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
 --   600 triggers, watch()          650 named locks      660 semaphores
 --   670 key-value store            680 counters         700 views
---   900 privileges                 950 initech.objects (the optional reference table)
+--   750 console, health, metrics   900 privileges                 950 initech.objects (the optional reference table)
 -- migrations/ holds alembic revisions generated from these files
 -- (migrations/build_baseline.py); a test proves both give the same catalog.
 
@@ -3393,6 +3393,141 @@ COMMENT ON COLUMN pgbroker.counters.name IS 'Counter name.';
 COMMENT ON COLUMN pgbroker.counters.value IS 'Its value.';
 COMMENT ON COLUMN pgbroker.counters.updated_at IS 'When it last changed.';
 
+-- ===== sql/750_console.sql =====
+
+-- pgbroker: the console.  What an operator reads at 3 a.m. in psql, what
+-- `pgbroker status` and `pgbroker doctor` print (they read these views, so
+-- psql and the CLI agree) and what Prometheus scrapes.  Built only on the
+-- views of 700_views.sql and on pg_catalog, never on pgbroker's tables, so
+-- that a reader sees here what it may see there.
+
+-- ---------------------------------------------------------------------------
+-- One row per broker: the lease, its clients and its outbox backlog.
+
+CREATE VIEW pgbroker.broker_overview AS
+SELECT b.name,
+       b.epoch,
+       b.state,
+       b.alive,
+       b.holder_pid,
+       b.holder_application,
+       b.heartbeat_age,
+       (SELECT count(*) FROM pgbroker.lease_history h
+         WHERE h.name = b.name AND h.event IN ('takeover', 'stale_takeover'))::integer AS takeovers,
+       (SELECT count(*) FROM pgbroker.clients c WHERE c.name = b.name)::integer AS clients,
+       (SELECT COALESCE(sum(c.subscriptions), 0) FROM pgbroker.clients c WHERE c.name = b.name)::integer AS subscriptions,
+       COALESCE(o.pending, 0)::bigint AS outbox_backlog,
+       pg_catalog.clock_timestamp() - o.oldest AS outbox_oldest_age
+  FROM pgbroker.brokers b
+  LEFT JOIN pgbroker.outbox_pending o ON o.name = b.name;
+COMMENT ON VIEW pgbroker.broker_overview IS
+    'One row per broker (lease name): holder, liveness, takeovers, clients, subscriptions and outbox backlog. What pgbroker status shows.';
+COMMENT ON COLUMN pgbroker.broker_overview.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.broker_overview.epoch IS 'Current epoch (fencing token).';
+COMMENT ON COLUMN pgbroker.broker_overview.state IS 'new, held or released.';
+COMMENT ON COLUMN pgbroker.broker_overview.alive IS 'True when the recorded holder''s backend exists and holds the lock.';
+COMMENT ON COLUMN pgbroker.broker_overview.holder_pid IS 'Backend pid of the (last) holder.';
+COMMENT ON COLUMN pgbroker.broker_overview.holder_application IS 'Its application_name at claim time.';
+COMMENT ON COLUMN pgbroker.broker_overview.heartbeat_age IS 'Time since the holder''s last heartbeat.';
+COMMENT ON COLUMN pgbroker.broker_overview.takeovers IS 'Takeovers (forced or stale) recorded in pgbroker.lease_history (pruning forgets old ones).';
+COMMENT ON COLUMN pgbroker.broker_overview.clients IS 'Clients registered by the live holder (pgbroker.clients).';
+COMMENT ON COLUMN pgbroker.broker_overview.subscriptions IS 'Subscriptions of those clients.';
+COMMENT ON COLUMN pgbroker.broker_overview.outbox_backlog IS 'Notifications not yet acknowledged (pgbroker.outbox_pending).';
+COMMENT ON COLUMN pgbroker.broker_overview.outbox_oldest_age IS 'Age of the oldest of them; NULL when there is none.';
+
+-- ---------------------------------------------------------------------------
+-- Health checks that the database alone can answer.  `pgbroker doctor` adds
+-- the ones only the client sees (schema version against the package, the
+-- connection's pooler and keepalives, its role's grants).
+
+CREATE VIEW pgbroker.health AS
+SELECT 'notify_queue'::text AS "check",
+       ''::text AS subject,
+       pg_catalog.pg_notification_queue_usage() < 0.5 AS ok,
+       pg_catalog.format('the NOTIFY queue is %s%% full', round((pg_catalog.pg_notification_queue_usage() * 100)::numeric, 1)) AS detail,
+       CASE WHEN pg_catalog.pg_notification_queue_usage() >= 0.5
+            THEN 'a session that LISTENs does not consume its notifications (an open transaction holds the queue back): find it in pg_stat_activity and end it' END AS fix
+UNION ALL
+SELECT 'outbox_lag', o.name,
+       o.outbox_oldest_age IS NULL OR o.outbox_oldest_age < interval '60 s',
+       CASE WHEN o.outbox_backlog = 0 THEN 'no pending notification'
+            ELSE pg_catalog.format('%s pending notification(s), the oldest %s old', o.outbox_backlog,
+                                   date_trunc('second', o.outbox_oldest_age)) END,
+       CASE WHEN o.outbox_oldest_age >= interval '60 s'
+            THEN CASE WHEN o.alive THEN 'the broker does not fetch and acknowledge its outbox (outbox_fetch, outbox_ack): check its logs'
+                      ELSE 'no live broker holds this lease: start one (its claim wipes the old epoch''s outbox)' END END
+  FROM pgbroker.broker_overview o
+UNION ALL
+SELECT 'watch_triggers', w."table"::text,
+       t.missing = '{}',
+       CASE WHEN t.missing = '{}' THEN 'its four triggers are in place and enabled'
+            ELSE pg_catalog.format('missing or disabled: %s', pg_catalog.array_to_string(t.missing, ', ')) END,
+       CASE WHEN t.missing <> '{}'
+            THEN pg_catalog.format('reinstall them as pgbroker_admin: SELECT pgbroker.watch(%L);', w."table"::text) END
+  FROM pgbroker.watched_tables w
+  CROSS JOIN LATERAL (
+      SELECT ARRAY(SELECT e.name
+                     FROM unnest(ARRAY['_pgbroker_watch_ins', '_pgbroker_watch_upd',
+                                       '_pgbroker_watch_del', '_pgbroker_watch_trunc']) AS e(name)
+                    WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_trigger g
+                                       WHERE g.tgrelid = w."table"::oid AND g.tgname = e.name
+                                         AND g.tgenabled <> 'D')
+                    ORDER BY e.name) AS missing) t
+UNION ALL
+SELECT 'broker_alive', o.name,
+       o.alive OR o.state <> 'held',
+       CASE WHEN o.alive THEN pg_catalog.format('epoch %s is held by pid %s', o.epoch, o.holder_pid)
+            WHEN o.state <> 'held' THEN pg_catalog.format('the lease is %s', o.state)
+            ELSE pg_catalog.format('epoch %s was held by pid %s, which is gone', o.epoch, o.holder_pid) END,
+       CASE WHEN NOT o.alive AND o.state = 'held'
+            THEN 'no broker runs for this lease: start one (it takes over with the next epoch)' END
+  FROM pgbroker.broker_overview o;
+COMMENT ON VIEW pgbroker.health IS
+    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, dead brokers. One row per check and subject; fix says what to do when ok is false.';
+COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers or broker_alive.';
+COMMENT ON COLUMN pgbroker.health.subject IS 'What was checked: a lease name, a watched table, or empty.';
+COMMENT ON COLUMN pgbroker.health.ok IS 'False when something needs fixing.';
+COMMENT ON COLUMN pgbroker.health.detail IS 'What was found.';
+COMMENT ON COLUMN pgbroker.health.fix IS 'What to do about it (NULL when ok).';
+
+-- ---------------------------------------------------------------------------
+-- Prometheus: one row per sample.  Metric names are those postgres_exporter
+-- gives the same figures through pgbroker/queries.yaml (<query>_<column>),
+-- so a dashboard is the same whichever way it is fed.
+
+CREATE VIEW pgbroker.metrics AS
+SELECT v.metric, pg_catalog.jsonb_build_object('name', o.name) AS labels, v.value, v.help
+  FROM pgbroker.broker_overview o
+ CROSS JOIN LATERAL (VALUES
+       ('pgbroker_broker_epoch', o.epoch::double precision,
+        'Current epoch (fencing token) of the lease.'),
+       ('pgbroker_broker_alive', CASE WHEN o.alive THEN 1 ELSE 0 END::double precision,
+        '1 when the lease''s holder is alive, else 0.'),
+       ('pgbroker_broker_heartbeat_age_seconds', EXTRACT(epoch FROM o.heartbeat_age)::double precision,
+        'Seconds since the holder''s last heartbeat.'),
+       ('pgbroker_broker_takeovers', o.takeovers::double precision,
+        'Takeovers of the lease recorded in its history.'),
+       ('pgbroker_broker_clients', o.clients::double precision,
+        'Clients registered by the live holder.'),
+       ('pgbroker_broker_subscriptions', o.subscriptions::double precision,
+        'Subscriptions of those clients.'),
+       ('pgbroker_broker_outbox_backlog', o.outbox_backlog::double precision,
+        'Notifications not yet acknowledged by the broker.'),
+       ('pgbroker_broker_outbox_oldest_age_seconds',
+        COALESCE(EXTRACT(epoch FROM o.outbox_oldest_age), 0)::double precision,
+        'Age in seconds of the oldest unacknowledged notification (0 when none).')
+     ) AS v(metric, value, help)
+ WHERE v.value IS NOT NULL
+UNION ALL
+SELECT 'pgbroker_notify_queue_usage', '{}'::jsonb, pg_catalog.pg_notification_queue_usage(),
+       'Fraction of the NOTIFY queue in use (pg_notification_queue_usage()).';
+COMMENT ON VIEW pgbroker.metrics IS
+    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age per broker, NOTIFY queue usage.';
+COMMENT ON COLUMN pgbroker.metrics.metric IS 'Metric name (the same as postgres_exporter''s through pgbroker/queries.yaml).';
+COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name).';
+COMMENT ON COLUMN pgbroker.metrics.value IS 'The sample''s value.';
+COMMENT ON COLUMN pgbroker.metrics.help IS 'HELP text of the metric.';
+
 -- ===== sql/900_privileges.sql =====
 
 -- pgbroker: who may do what, in one place.
@@ -3435,7 +3570,10 @@ GRANT SELECT ON
     pgbroker.locks,
     pgbroker.semaphores,
     pgbroker.kv,
-    pgbroker.counters
+    pgbroker.counters,
+    pgbroker.broker_overview,
+    pgbroker.health,
+    pgbroker.metrics
 TO pgbroker_reader;
 GRANT EXECUTE ON FUNCTION
     pgbroker.broker_alive(text)
