@@ -761,7 +761,7 @@ def test_generated_triggers_name_the_lock_classes_of_subscribe_and_sleep(connect
     ]
     assert len(bodies) >= 4  # initech.objects is watched in the test database
     for body in bodies:
-        for name, value in zip(names, values):
+        for name, value in zip(names, values, strict=True):
             assert f"pgbroker.{name}()" in body
             assert str(value) not in body
 
