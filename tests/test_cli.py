@@ -127,7 +127,7 @@ def test_migrate_core_only_without_initech(empty_db):
     assert result.returncode == 0, result.stderr
     with psycopg.connect(empty_db) as conn:
         assert conn.execute("SELECT to_regclass('initech.objects')").fetchone()[0] is None
-        assert conn.execute("SELECT to_regprocedure('pgbroker.watch(regclass)')").fetchone()[0] is not None
+        assert conn.execute("SELECT to_regprocedure('pgbroker.watch(regclass, interval)')").fetchone()[0] is not None
         # Every revision is recorded, so later upgrades keep working.
         assert conn.execute("SELECT version_num FROM pgbroker.alembic_version").fetchone()[0] == install_head()
     result = pgbroker("downgrade", "--url", empty_db)

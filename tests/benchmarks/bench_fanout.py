@@ -78,6 +78,8 @@ BATCH_DELAY = 0.002  # seconds the broker waits after a short batch (as Broker.n
 POLL = 0.2  # seconds the sleeping broker waits for a NOTIFY before polling anyway
 
 TPS_TARGET = 0.75
+CPU_TARGET = 1.5  # CPU per watched single-row transaction against unwatched, 8 writers
+FETCH_CPU_TARGET_US = 12  # broker backend CPU per delivered row
 BULK_TARGET = 1.5
 PER_ROW_TARGET = 1.5
 LATENCY_P99_TARGET_MS = 10.0
@@ -150,6 +152,7 @@ class DrainingBroker(threading.Thread):
         self.linger = linger
         self.poll = poll
         self.conn = psycopg.connect(url, autocommit=True)
+        self.backend_pid = self.conn.info.backend_pid
         self.epoch: int = self.conn.execute("SELECT pgbroker.broker_claim(%s)", (name,)).fetchone()[0]
         self.channel: str = self.conn.execute("SELECT pgbroker.wakeup_channel(%s)", (name,)).fetchone()[0]
         assert re.fullmatch(r"pgbroker_wakeup_[0-9]+", self.channel), self.channel
@@ -312,6 +315,32 @@ def split(first: int, last: int, parts: int) -> list[tuple[int, int]]:
     return [(lo, min(last, lo + step - 1)) for lo in range(first, last + 1, step)]
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu(pid: int, children: bool = False) -> float:
+    """CPU seconds (user + system) of process PID, with its reaped children's when CHILDREN."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12]) + ((int(fields[13]) + int(fields[14])) if children else 0)
+    return ticks / _TICK
+
+
+def server_cpu(datadir: Path) -> float:
+    """CPU seconds of a PostgreSQL server: the postmaster, its live children, and the children it reaped
+    (backends of connections that closed, such as pgbench's)."""
+    postmaster = int((datadir / "postmaster.pid").read_text().split()[0])
+    total = _proc_cpu(postmaster, children=True)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == postmaster:
+                    total += _proc_cpu(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile: its time is in the postmaster's reaped children now
+    return total
+
+
 def vacuum(conn: psycopg.Connection, *tables: str) -> None:
     conn.execute(f"VACUUM {', '.join(tables)}")
 
@@ -375,6 +404,8 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
     }
     for writers in (1, 8):
         tps: dict[str, list[float]] = {k: [] for k in scripts}
+        cpu: dict[str, list[float]] = {k: [] for k in scripts}  # CPU seconds per transaction
+        fetch_cpu: list[float] = []  # broker backend CPU seconds per delivered row
         counts: Counter[str] = Counter()
         transactions = 0.0
         backlog = 0
@@ -386,9 +417,15 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
                 if variant == "paused":
                     broker.paused.set()
                 before = broker.counters()
+                cpu0 = (server_cpu(pgbench.server.datadir), time.process_time(), _proc_cpu(broker.backend_pid))
                 value = pgbench.tps(f"{variant}{writers}", scripts[variant], writers, cfg.tps_seconds)
                 after = broker.counters()
+                cpu1 = (server_cpu(pgbench.server.datadir), time.process_time(), _proc_cpu(broker.backend_pid))
                 tps[variant].append(value)
+                # Server processes (writers' backends and the broker's) plus this process (the broker's loop).
+                cpu[variant].append((cpu1[0] - cpu0[0] + cpu1[1] - cpu0[1]) / max(value * cfg.tps_seconds, 1))
+                if variant == "watched" and after["delivered"] > before["delivered"]:
+                    fetch_cpu.append((cpu1[2] - cpu0[2]) / (after["delivered"] - before["delivered"]))
                 if variant == "watched":
                     backlog = max(backlog, conn.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0])
                     wait_drained(conn, broker)
@@ -411,6 +448,23 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
             f"{ratio:.2f}x",
             f">= {TPS_TARGET}x {_verdict(ratio >= TPS_TARGET)}",
         )
+        cpu_watched, cpu_plain = statistics.median(cpu["watched"]), statistics.median(cpu["plain"])
+        results.add(
+            f"  CPU per transaction (server + broker), {writers} writer{s}",
+            f"{cpu_watched * 1e6:,.0f} us",
+            f"{cpu_plain * 1e6:,.0f} us",
+            f"{cpu_watched / cpu_plain:.2f}x",
+            f"<= {CPU_TARGET}x {_verdict(cpu_watched / cpu_plain <= CPU_TARGET)}",
+        )
+        if fetch_cpu:
+            per_row = statistics.median(fetch_cpu) * 1e6
+            results.add(
+                f"  broker backend CPU per delivered row, {writers} writer{s}",
+                f"{per_row:,.1f} us",
+                "",
+                "",
+                f"<= {FETCH_CPU_TARGET_US} us {_verdict(per_row <= FETCH_CPU_TARGET_US)}",
+            )
         results.add(
             f"  same, broker awake but not draining, {writers} writer{s}",
             f"{paused:,.0f} tps",
