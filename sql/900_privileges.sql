@@ -70,6 +70,7 @@ TO pgbroker_broker;
 GRANT EXECUTE ON FUNCTION
     pgbroker.lock_acquire(text, interval, boolean, boolean),
     pgbroker.lock_release(text, boolean),
+    pgbroker.lock_key(text),
     pgbroker.semaphore_acquire(text, integer, interval),
     pgbroker.semaphore_release(text),
     pgbroker.semaphore_channel(text),

@@ -33,6 +33,7 @@ DROP FUNCTION pgbroker._semaphore_try(integer[], boolean[]);
 DROP TRIGGER _660_permit_at_commit ON pgbroker.semaphore_permit;
 DROP FUNCTION pgbroker._semaphore_permit_commit();
 DROP TABLE pgbroker.semaphore_permit;
+DROP FUNCTION pgbroker.lock_key(text);
 DROP FUNCTION pgbroker.lock_release(text, boolean);
 DROP FUNCTION pgbroker.lock_acquire(text, interval, boolean, boolean);
 DROP FUNCTION pgbroker._lock_key(text, interval);
