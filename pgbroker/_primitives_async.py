@@ -40,6 +40,8 @@ from pgbroker._primitives_core import (
     KV_GET_SQL,
     KV_SCAN_SQL,
     KV_SET_SQL,
+    KV_WATCH_BEGIN_SQL,
+    KV_WATCH_END_SQL,
     LOCK_ACQUIRE_SQL,
     LOCK_KEY_SQL,
     LOCK_RELEASE_SQL,
@@ -424,7 +426,9 @@ class AsyncKV:
         watch first reads the view ``pgbroker.kv``: its role needs
         ``pgbroker_reader`` besides ``pgbroker_user``.)
 
-        It LISTENs on ``pgbroker.kv_channel()`` first, then reads the current
+        It LISTENs on ``pgbroker.kv_channel()`` first, registers as a watcher
+        (``pgbroker.kv_watch_begin()``: changes are announced only while some
+        session watches; it waits for key-value writes in flight), then reads the current
         entries (yielding those newer than ``after_version``), then waits for
         notifications and re-reads each changed key, so no change committed
         after the read is missed.  A deletion is yielded as it happens
@@ -443,6 +447,11 @@ class AsyncKV:
         wait = seconds(timeout)
         channel: str = await _scalar(self.conn, KV_CHANNEL_SQL)
         await _rows(self.conn, _listen_sql("LISTEN", channel))
+        try:
+            await _rows(self.conn, KV_WATCH_BEGIN_SQL)
+        except BaseException:
+            await _rows(self.conn, _listen_sql("UNLISTEN", channel))
+            raise
         seen: dict[str, int] = {}
 
         def wanted(k: str, version: int) -> bool:
@@ -486,6 +495,7 @@ class AsyncKV:
                     quiet_since = time.monotonic()
         finally:
             if not self.conn.closed and not self.conn.broken and not _in_transaction(self.conn):
+                await _rows(self.conn, KV_WATCH_END_SQL)
                 await _rows(self.conn, _listen_sql("UNLISTEN", channel))
 
 

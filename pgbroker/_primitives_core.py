@@ -39,6 +39,8 @@ SEMAPHORE_CHANNEL_SQL = "SELECT pgbroker.semaphore_channel(name => %(name)s)"
 SEMAPHORE_TRY_SQL = 'SELECT pgbroker.semaphore_acquire(name => %(name)s, "limit" => %(limit)s, wait => %(wait)s)'
 SEMAPHORE_RELEASE_SQL = "SELECT pgbroker.semaphore_release(name => %(name)s)"
 KV_CHANNEL_SQL = "SELECT pgbroker.kv_channel()"
+KV_WATCH_BEGIN_SQL = "SELECT pgbroker.kv_watch_begin()"
+KV_WATCH_END_SQL = "SELECT pgbroker.kv_watch_end()"
 KV_GET_SQL = "SELECT value, version, expires_at FROM pgbroker.kv_get(key => %(key)s)"
 KV_SET_SQL = "SELECT pgbroker.kv_set(key => %(key)s, value => %(value)s, version => %(version)s, ttl => %(ttl)s)"
 KV_DELETE_SQL = "SELECT pgbroker.kv_delete(key => %(key)s, version => %(version)s)"

@@ -78,6 +78,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.kv_set(text, jsonb, bigint, interval),
     pgbroker.kv_delete(text, bigint),
     pgbroker.kv_channel(),
+    pgbroker.kv_watch_begin(),
+    pgbroker.kv_watch_end(),
     pgbroker.counter_add(text, bigint),
     pgbroker.counter_get(text),
     pgbroker.counter_set(text, bigint, bigint)

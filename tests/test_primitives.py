@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import io
+import json
 import signal
 import subprocess
 import sys
@@ -636,6 +637,90 @@ def test_sql_semaphore_window_with_raw_listen(connect: Connect):
 
 # ---------------------------------------------------------------------------
 # Python: KV and its watch
+
+
+def kv_notes(conn: psycopg.Connection) -> list[tuple[str, int]]:
+    """The (key, version) of the key-value notifications queued for conn, in commit order."""
+    return [
+        (json.loads(n.payload)["key"], json.loads(n.payload)["version"])
+        for n in conn.notifies(timeout=0.5, stop_after=100)
+        if n.channel == "pgbroker_kv"
+    ]
+
+
+def test_kv_changes_are_announced_only_while_a_session_watches(connect: Connect):
+    """Unwatched writes send no NOTIFY; registered watchers (kv_watch_begin .. kv_watch_end) get every change.
+
+    Notifications arrive in commit order, so a change announced after an
+    unannounced one proves the first was not announced (no timing involved).
+    """
+    writer, listener, watcher = (connect(n, user="t_user") for n in ("W", "L", "V"))
+    listener.execute("LISTEN pgbroker_kv")  # listens, never registers
+    watcher.execute("LISTEN pgbroker_kv")
+    quiet = one(writer, "SELECT pgbroker.kv_set('a', '1')")
+    assert one(writer, "SELECT pgbroker.kv_delete('a')") is True
+    watcher.execute("SELECT pgbroker.kv_watch_begin()")
+    loud = one(writer, "SELECT pgbroker.kv_set('b', '1')")
+    assert kv_notes(listener) == [("b", loud)] and kv_notes(watcher) == [("b", loud)]
+    assert loud > quiet
+    # the watcher's own writes reach it too
+    own = one(watcher, "SELECT pgbroker.kv_set('own', '1')")
+    assert kv_notes(watcher) == [("own", own)] and kv_notes(listener) == [("own", own)]
+    assert one(watcher, "SELECT pgbroker.kv_watch_end()") is True
+    assert one(watcher, "SELECT pgbroker.kv_watch_end()") is False
+    quiet2 = one(writer, "SELECT pgbroker.kv_set('c', '1')")
+    watcher.execute("SELECT pgbroker.kv_watch_begin()")
+    loud2 = one(writer, "SELECT pgbroker.kv_set('d', '1')")
+    assert kv_notes(listener) == [("d", loud2)] and loud2 > quiet2
+    watcher.close()  # a watcher's registration ends with its session
+    wait_for(lambda: one(writer, "SELECT count(*) FROM pg_locks WHERE classid = 1885823595 AND objid = 1") == 0)
+    one(writer, "SELECT pgbroker.kv_set('e', '1')")
+    listener.execute("SELECT pgbroker.kv_watch_begin()")
+    last = one(writer, "SELECT pgbroker.kv_set('f', '1')")
+    assert kv_notes(listener) == [("f", last)]
+
+
+def test_kv_watch_begin_waits_for_writes_in_flight(connect: Connect):
+    """The lost-wake-up window, forced: a write that looked for watchers before one registered is not announced,
+    so the registration waits for its commit and the watcher's read sees it; writes meanwhile are not held up.
+    """
+    writer = connect("W", user="t_user", autocommit=False)
+    other, watcher, admin = connect("O", user="t_user"), connect("V", user="t_user"), connect("admin")
+    version = one(writer, "SELECT pgbroker.kv_set('win', '1')")  # in flight: no watcher yet, not announced
+    watcher.execute("LISTEN pgbroker_kv")
+    thread, out = in_thread(lambda: watcher.execute("SELECT pgbroker.kv_watch_begin()"))
+    wait_for(lambda: blocked(admin, watcher.info.backend_pid))
+    # Writes do not wait for the registering watcher; they announce themselves while it registers.
+    wthread, wout = in_thread(lambda: one(other, "SELECT pgbroker.kv_set('meanwhile', '2')"))
+    wthread.join(5)
+    assert "value" in wout, wout
+    assert thread.is_alive() and blocked(admin, watcher.info.backend_pid)
+    writer.commit()
+    thread.join(5)
+    assert "error" not in out and "at" in out, out
+    assert one(watcher, "SELECT version FROM pgbroker.kv_get('win')") == version
+    assert kv_notes(watcher) == [("meanwhile", wout["value"])]
+    # From now on the writer's changes are announced.
+    again = one(writer, "SELECT pgbroker.kv_set('win', '3')")
+    writer.commit()
+    assert kv_notes(watcher) == [("win", again)]
+
+
+def test_python_kv_watch_sees_a_write_in_flight_when_it_starts(connect: Connect):
+    writer = connect("W", user="t_user", autocommit=False)
+    watch_conn, admin = connect("V", user="t_user"), connect("admin")
+    version = one(writer, "SELECT pgbroker.kv_set('pw', '{\"n\": 1}')")
+    watch = KV(watch_conn).watch(key="pw", timeout=10)
+    thread, out = in_thread(lambda: next(watch))
+    wait_for(lambda: blocked(admin, watch_conn.info.backend_pid))
+    writer.commit()
+    thread.join(10)
+    assert out.get("value") == KVChange("pw", {"n": 1}, version), out
+    later = one(writer, "SELECT pgbroker.kv_set('pw', '2')")
+    writer.commit()
+    assert next(watch) == KVChange("pw", 2, later)
+    watch.close()
+    assert one(watch_conn, "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND classid = 1885823595") == 0
 
 
 def test_python_kv(connect: Connect):
