@@ -20,10 +20,27 @@ LOCK_ACQUIRE_SQL = (
     "SELECT pgbroker.lock_acquire(name => %(name)s, wait => %(wait)s, shared => %(shared)s, xact => %(xact)s)"
 )
 LOCK_RELEASE_SQL = "SELECT pgbroker.lock_release(name => %(name)s, shared => %(shared)s)"
+LOCK_KEY_SQL = "SELECT pgbroker.lock_key(name => %(name)s)"
+# A session lock on a name whose key is known (pgbroker.lock_key): the very
+# advisory lock lock_acquire() takes, without the function call around it.
+LOCK_CLASS = 1885823596
+RAW_LOCK_SQL = {
+    # (shared, try once)
+    (False, False): "SELECT pg_catalog.pg_advisory_lock(1885823596, %(key)s) IS NULL",
+    (True, False): "SELECT pg_catalog.pg_advisory_lock_shared(1885823596, %(key)s) IS NULL",
+    (False, True): "SELECT pg_catalog.pg_try_advisory_lock(1885823596, %(key)s)",
+    (True, True): "SELECT pg_catalog.pg_try_advisory_lock_shared(1885823596, %(key)s)",
+}
+RAW_UNLOCK_SQL = {
+    False: "SELECT pg_catalog.pg_advisory_unlock(1885823596, %(key)s)",
+    True: "SELECT pg_catalog.pg_advisory_unlock_shared(1885823596, %(key)s)",
+}
 SEMAPHORE_CHANNEL_SQL = "SELECT pgbroker.semaphore_channel(name => %(name)s)"
 SEMAPHORE_TRY_SQL = 'SELECT pgbroker.semaphore_acquire(name => %(name)s, "limit" => %(limit)s, wait => %(wait)s)'
 SEMAPHORE_RELEASE_SQL = "SELECT pgbroker.semaphore_release(name => %(name)s)"
 KV_CHANNEL_SQL = "SELECT pgbroker.kv_channel()"
+KV_WATCH_BEGIN_SQL = "SELECT pgbroker.kv_watch_begin()"
+KV_WATCH_END_SQL = "SELECT pgbroker.kv_watch_end()"
 KV_GET_SQL = "SELECT value, version, expires_at FROM pgbroker.kv_get(key => %(key)s)"
 KV_SET_SQL = "SELECT pgbroker.kv_set(key => %(key)s, value => %(value)s, version => %(version)s, ttl => %(ttl)s)"
 KV_DELETE_SQL = "SELECT pgbroker.kv_delete(key => %(key)s, version => %(version)s)"
@@ -95,6 +112,23 @@ def parse_kv_payload(payload: str) -> tuple[str, int, bool] | None:
 # The pooler verdict of each connection, found once per connection: None when
 # its session stays on one backend, else why it may not.
 _VERDICTS: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
+
+
+# The lock keys of names, per connection, as pgbroker.lock_key() gave them:
+# only keys of committed registrations, which never change, so an entry never
+# goes stale.  Bounded: cleared when it grows past LOCK_KEYS_MAX names.
+_LOCK_KEYS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+LOCK_KEYS_MAX = 10_000
+
+
+def lock_keys(conn: Any) -> dict[str, int]:
+    """The cached lock keys of ``conn`` (name -> key)."""
+    keys = _LOCK_KEYS.get(conn)
+    if keys is None:
+        keys = _LOCK_KEYS[conn] = {}
+    elif len(keys) >= LOCK_KEYS_MAX:
+        keys.clear()
+    return keys
 
 
 def pooler_error_text(what: str, reason: str) -> str:

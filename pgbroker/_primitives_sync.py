@@ -27,8 +27,13 @@ from pgbroker._primitives_core import (
     KV_GET_SQL,
     KV_SCAN_SQL,
     KV_SET_SQL,
+    KV_WATCH_BEGIN_SQL,
+    KV_WATCH_END_SQL,
     LOCK_ACQUIRE_SQL,
+    LOCK_KEY_SQL,
     LOCK_RELEASE_SQL,
+    RAW_LOCK_SQL,
+    RAW_UNLOCK_SQL,
     SEMAPHORE_CHANNEL_SQL,
     SEMAPHORE_FALLBACK,
     SEMAPHORE_RELEASE_SQL,
@@ -36,6 +41,7 @@ from pgbroker._primitives_core import (
     UNSET,
     KVChange,
     KVEntry,
+    lock_keys,
     parse_kv_payload,
     pooler_error_text,
     seconds,
@@ -159,10 +165,45 @@ class Lock:
             acquired = bool(row and row[0])
         else:
             _check_session(self.conn, "lock", self.session_pooler)
-            acquired = bool(_scalar(self.conn, LOCK_ACQUIRE_SQL, params))
+            acquired = self._acquire_by_key(wait)
+            if acquired is None:
+                acquired = bool(_scalar(self.conn, LOCK_ACQUIRE_SQL, params))
+                self._learn_key()
         if acquired:
             self._holds += 1
         return acquired
+
+    def _key(self) -> int | None:
+        """The cached key of the name, on an autocommit connection outside a transaction (else None)."""
+        if not self.conn.autocommit or _in_transaction(self.conn):
+            return None
+        return lock_keys(self.conn).get(self.name)
+
+    def _acquire_by_key(self, wait: timedelta | None) -> bool | None:
+        """Take the lock by its cached key (waiting forever, or trying once); None: use ``lock_acquire``.
+
+        The same advisory lock ``lock_acquire`` takes, without the function
+        call around it.  A session ``lock_timeout`` makes a wait that runs out
+        fail with 55P03; ``lock_acquire`` then waits as documented (forever).
+        """
+        key = self._key()
+        if key is None or not (wait is None or wait == timedelta(0)):
+            return None
+        try:
+            cur = self.conn.execute(RAW_LOCK_SQL[self.shared, wait is not None], {"key": key}, prepare=True)
+            row = cur.fetchone()
+        except psycopg.errors.LockNotAvailable:
+            return None
+        except psycopg.Error as exc:
+            _raise_translated(exc)
+        return wait is None or bool(row and row[0])
+
+    def _learn_key(self) -> None:
+        """Cache the name's key once it is registered by a committed transaction (see ``pgbroker.lock_key``)."""
+        if self.conn.autocommit and not _in_transaction(self.conn) and self.name not in lock_keys(self.conn):
+            key = _scalar(self.conn, LOCK_KEY_SQL, {"name": self.name})
+            if key is not None:
+                lock_keys(self.conn)[self.name] = key
 
     def release(self) -> None:
         """Give back one hold of a session-scoped lock (a transaction-scoped one ends with its transaction)."""
@@ -173,7 +214,17 @@ class Lock:
         if self._holds == 0:
             raise PgBrokerError(f"lock {self.name!r} is not held by this object")
         self._holds -= 1
-        if not _scalar(self.conn, LOCK_RELEASE_SQL, {"name": self.name, "shared": self.shared}):
+        key = self._key()
+        if key is not None:
+            try:
+                cur = self.conn.execute(RAW_UNLOCK_SQL[self.shared], {"key": key}, prepare=True)
+                row = cur.fetchone()
+            except psycopg.Error as exc:
+                _raise_translated(exc)
+            released = bool(row and row[0])
+        else:
+            released = _scalar(self.conn, LOCK_RELEASE_SQL, {"name": self.name, "shared": self.shared})
+        if not released:
             raise PgBrokerError(f"lock {self.name!r} was not held by this session any more")
 
     def __enter__(self) -> Lock:
@@ -362,7 +413,9 @@ class KV:
         watch first reads the view ``pgbroker.kv``: its role needs
         ``pgbroker_reader`` besides ``pgbroker_user``.)
 
-        It LISTENs on ``pgbroker.kv_channel()`` first, then reads the current
+        It LISTENs on ``pgbroker.kv_channel()`` first, registers as a watcher
+        (``pgbroker.kv_watch_begin()``: changes are announced only while some
+        session watches; it waits for key-value writes in flight), then reads the current
         entries (yielding those newer than ``after_version``), then waits for
         notifications and re-reads each changed key, so no change committed
         after the read is missed.  A deletion is yielded as it happens
@@ -381,6 +434,11 @@ class KV:
         wait = seconds(timeout)
         channel: str = _scalar(self.conn, KV_CHANNEL_SQL)
         _rows(self.conn, _listen_sql("LISTEN", channel))
+        try:
+            _rows(self.conn, KV_WATCH_BEGIN_SQL)
+        except BaseException:
+            _rows(self.conn, _listen_sql("UNLISTEN", channel))
+            raise
         seen: dict[str, int] = {}
 
         def wanted(k: str, version: int) -> bool:
@@ -424,6 +482,7 @@ class KV:
                     quiet_since = time.monotonic()
         finally:
             if not self.conn.closed and not self.conn.broken and not _in_transaction(self.conn):
+                _rows(self.conn, KV_WATCH_END_SQL)
                 _rows(self.conn, _listen_sql("UNLISTEN", channel))
 
 

@@ -243,3 +243,25 @@ $$;
 COMMENT ON FUNCTION pgbroker.lock_release(text, boolean) IS
 $$Release one hold of the session-scoped lock NAME (shared when SHARED => true). Returns false, changing nothing, when this session does not hold it that way.
 Transaction-scoped locks cannot be released early: they end with their transaction (false here).$$;
+
+-- The key of a name without registering it.  Only keys of committed
+-- registrations: a key registered by the caller's open transaction may still
+-- be rolled back (and then never name anything), so it is not handed out.
+-- Clients cache it (the Python Lock does, per connection) and take
+-- pg_advisory_lock(1885823596, key) directly, the same lock lock_acquire()
+-- takes: a registered name keeps its key for ever (rows are never deleted
+-- nor updated in the key).
+CREATE FUNCTION pgbroker.lock_key(name text)
+RETURNS integer
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT l.key FROM pgbroker.lock_name l
+     WHERE l.name = pgbroker._check_key(lock_key.name, 'lock name')
+       AND l.registered_xid IS DISTINCT FROM pg_current_xact_id_if_assigned()
+$$;
+COMMENT ON FUNCTION pgbroker.lock_key(text) IS
+$$The advisory lock of named lock NAME is (1885823596, lock_key(NAME)) in the two-int4 form: the same lock lock_acquire(NAME) takes, for pg_locks or for a client that caches the key.
+NULL when NAME was never used (it is registered by its first lock_acquire), or when the caller's open transaction registered it (a rollback would void that key).
+A registered name keeps its key for ever.$$;

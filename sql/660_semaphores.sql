@@ -142,26 +142,52 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_name text := pgbroker._check_key(semaphore_acquire.name, 'semaphore name');
-    v_ms text := pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 when negative
+    v_name text := semaphore_acquire.name;
     v_keys integer[];
+    v_mine boolean;
     v_own boolean[];
     v_got integer;
     v_deadline timestamptz;
     v_watch integer;
     v_timeout text;
 BEGIN
+    -- The hot path: checks inline, one registry query, the tries inline (no
+    -- helper calls, each of which would set the search_path again).
+    IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
+        PERFORM pgbroker._check_key(v_name, 'semaphore name');   -- 22023 with its message
+    END IF;
+    IF semaphore_acquire.wait < '0'::interval THEN
+        PERFORM pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 with its message
+    END IF;
     IF semaphore_acquire."limit" IS NULL OR semaphore_acquire."limit" < 1 OR semaphore_acquire."limit" > 1000 THEN
         RAISE EXCEPTION 'semaphore limit must be 1 to 1000, got %', coalesce(semaphore_acquire."limit"::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    v_keys := pgbroker._semaphore_keys(v_name, semaphore_acquire."limit", semaphore_acquire.wait);
-    IF v_keys IS NULL THEN
-        RETURN NULL;
-    END IF;
-    SELECT array_agg(p.registered_xid IS NOT DISTINCT FROM pg_current_xact_id_if_assigned() ORDER BY p.permit) INTO v_own
+    SELECT array_agg(p.key ORDER BY p.permit), bool_or(p.registered_xid = pg_current_xact_id_if_assigned())
+      INTO v_keys, v_mine
       FROM pgbroker.semaphore_permit p WHERE p.name = v_name AND p.permit <= semaphore_acquire."limit";
-    v_got := pgbroker._semaphore_try(v_keys, v_own);
+    IF cardinality(v_keys) IS DISTINCT FROM semaphore_acquire."limit" THEN
+        -- First use of (some of) these permits: register them.
+        v_keys := pgbroker._semaphore_keys(v_name, semaphore_acquire."limit", semaphore_acquire.wait);
+        IF v_keys IS NULL THEN
+            RETURN NULL;
+        END IF;
+        v_mine := true;   -- maybe: look below
+    END IF;
+    IF v_mine THEN
+        -- Some permits registered by this open transaction (see above).
+        SELECT array_agg(p.registered_xid IS NOT DISTINCT FROM pg_current_xact_id_if_assigned() ORDER BY p.permit)
+          INTO v_own
+          FROM pgbroker.semaphore_permit p WHERE p.name = v_name AND p.permit <= semaphore_acquire."limit";
+        v_got := pgbroker._semaphore_try(v_keys, v_own);
+    ELSE
+        v_own := array_fill(false, ARRAY[semaphore_acquire."limit"]);
+        FOR i IN 1 .. semaphore_acquire."limit" LOOP
+            IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
+                RETURN i;
+            END IF;
+        END LOOP;
+    END IF;
     IF v_got IS NOT NULL OR semaphore_acquire.wait = '0'::interval THEN
         RETURN v_got;
     END IF;
@@ -204,10 +230,31 @@ SET search_path = pg_catalog, pg_temp
 SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
 AS $$
 DECLARE
-    v_name text := pgbroker._check_key(semaphore_release.name, 'semaphore name');
+    v_name text := semaphore_release.name;
     v_permit pgbroker.semaphore_permit;
+    v_keys integer[];
+    v_permits integer[];
+    v_mine boolean;
 BEGIN
+    IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
+        PERFORM pgbroker._check_key(v_name, 'semaphore name');   -- 22023 with its message
+    END IF;
     -- The highest permit this session holds, so that low numbers stay in use.
+    SELECT array_agg(p.key ORDER BY p.permit DESC), array_agg(p.permit ORDER BY p.permit DESC),
+           bool_or(p.registered_xid = pg_current_xact_id_if_assigned())
+      INTO v_keys, v_permits, v_mine
+      FROM pgbroker.semaphore_permit p WHERE p.name = v_name;
+    IF NOT v_mine THEN
+        -- The hot path: no permit registered by this open transaction.
+        FOR i IN 1 .. cardinality(v_keys) LOOP
+            IF pg_advisory_unlock(1885823597, v_keys[i]) THEN
+                -- semaphore_channel(v_name), without its call and settings frame
+                PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permits[i]::text);
+                RETURN true;
+            END IF;
+        END LOOP;
+        RETURN false;
+    END IF;
     FOR v_permit IN SELECT * FROM pgbroker.semaphore_permit p WHERE p.name = v_name ORDER BY p.permit DESC LOOP
         IF v_permit.registered_xid = pg_current_xact_id_if_assigned() THEN
             -- Registered by this open transaction: give back a pending hold.

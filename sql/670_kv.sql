@@ -4,9 +4,29 @@
 -- one sequence, so a key's version grows on every change, also across a
 -- delete and a new set.  kv_set with a VERSION is a compare-and-set in one
 -- statement: it writes only when the key's current version equals VERSION
--- (0: the key must not exist).  An expired key reads as absent.  Every change
--- is announced with NOTIFY on the channel 'pgbroker_kv', payload
--- {"key": ..., "version": ...} ("deleted": true for a delete), at commit.
+-- (0: the key must not exist).  An expired key reads as absent.  While a
+-- watcher is registered (kv_watch_begin), every change is announced with
+-- NOTIFY on the channel 'pgbroker_kv', payload {"key": ..., "version": ...}
+-- ("deleted": true for a delete), at commit.
+--
+-- Announcing only while someone watches.  A NOTIFY costs every writer a
+-- cluster-wide lock held through its commit's WAL flush, which serialises
+-- concurrent writers' commits; most writes have no watcher.  Two advisory
+-- locks of class 'pgbk' (1885823595) tell, without a lost wake-up:
+--   (1885823595, 1) "watchers": each registered watcher holds it shared, for
+--       its session (kv_watch_begin .. kv_watch_end; a crashed watcher's goes
+--       with its session);
+--   (1885823595, 0) "writes in flight": each write holds it shared until its
+--       transaction ends, taken with a try before it looks for watchers.
+-- A write announces itself unless it got the "in flight" lock and then found
+-- the "watchers" lock free (a momentary exclusive try, given back in the same
+-- expression; a write that loses that race to another write announces itself,
+-- which is harmless).  A watcher LISTENs, takes "watchers" shared, then takes
+-- "in flight" exclusive (for its transaction), which waits for the writes
+-- that looked before it registered to end, and only then reads.  So every
+-- change is either announced after the watcher listens, or committed before
+-- it reads.  Writes never wait for watchers: while a watcher registers, the
+-- try on "in flight" fails and the write announces itself.
 
 CREATE TABLE pgbroker.kv_entry (
     key text PRIMARY KEY,
@@ -31,7 +51,64 @@ LANGUAGE sql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT 'pgbroker_kv'::text $$;
 COMMENT ON FUNCTION pgbroker.kv_channel() IS
-    'The channel every key-value change is announced on: pgbroker_kv, payload {"key": ..., "version": ...} ("deleted": true for a delete).';
+    'The channel key-value changes are announced on while a watcher is registered (kv_watch_begin): pgbroker_kv, payload {"key": ..., "version": ...} ("deleted": true for a delete).';
+
+-- Announce a change when a watcher may be registered (see above).  No SET
+-- clause: only SECURITY DEFINER functions with a pinned search_path call it,
+-- and a SET clause costs a settings frame per call; every name in it is
+-- qualified.
+CREATE FUNCTION pgbroker._kv_announce(p_key text, p_version bigint, p_deleted boolean)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    -- A session's own shared lock never conflicts with its own try: a session
+    -- that watches marks itself (kv_watch_begin) and always announces.
+    IF pg_catalog.pg_try_advisory_xact_lock_shared(1885823595, 0)
+       AND pg_catalog.current_setting('pgbroker.kv_watching', true) IS DISTINCT FROM 'on' THEN
+        IF (CASE WHEN pg_catalog.pg_try_advisory_lock(1885823595, 1) THEN pg_catalog.pg_advisory_unlock(1885823595, 1)
+                 ELSE false END) THEN
+            RETURN;   -- no watcher registered; one that registers from now on waits for this transaction
+        END IF;
+    END IF;
+    PERFORM pg_catalog.pg_notify('pgbroker_kv',
+        CASE WHEN p_deleted THEN pg_catalog.json_build_object('key', p_key, 'version', p_version, 'deleted', true)
+             ELSE pg_catalog.json_build_object('key', p_key, 'version', p_version) END::text);
+END
+$$;
+COMMENT ON FUNCTION pgbroker._kv_announce(text, bigint, boolean) IS
+    'Internal: NOTIFY kv_channel() of a change to key p_key (version p_version) unless no watcher is registered (see kv_watch_begin).';
+
+CREATE FUNCTION pgbroker.kv_watch_begin()
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM pg_advisory_lock_shared(1885823595, 1);
+    PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
+    -- Wait for the writes that looked for watchers before we registered.
+    PERFORM pg_advisory_xact_lock(1885823595, 0);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_watch_begin() IS
+$$Register this session as a watcher of the key-value store: from now on every change is announced on kv_channel() at commit (without a registered watcher, changes are not announced).
+Waits for the key-value writes in flight (they looked for watchers before) to commit or roll back. The loop: LISTEN on kv_channel(), then SELECT kv_watch_begin(), both outside a transaction, then read; held until kv_watch_end() or the session ends.$$;
+
+CREATE FUNCTION pgbroker.kv_watch_end()
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
+AS $$
+BEGIN
+    RETURN pg_advisory_unlock_shared(1885823595, 1);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_watch_end() IS
+    'End one kv_watch_begin() of this session (registrations stack); false when it has none. Changes stay announced while any session watches.';
 
 CREATE FUNCTION pgbroker.kv_get(key text)
 RETURNS TABLE (value jsonb, version bigint, expires_at timestamptz)
@@ -91,7 +168,7 @@ BEGIN
         RETURNING e.version INTO v_new;
     END IF;
     IF v_new IS NOT NULL THEN
-        PERFORM pg_notify('pgbroker_kv', json_build_object('key', v_key, 'version', v_new)::text);
+        PERFORM pgbroker._kv_announce(v_key, v_new, false);
     END IF;
     RETURN v_new;
 END
@@ -99,7 +176,7 @@ $$;
 COMMENT ON FUNCTION pgbroker.kv_set(text, jsonb, bigint, interval) IS
 $$Set KEY (1 to 200 bytes) to VALUE (jsonb, not NULL) and return the new version; TTL (positive) makes it expire that long from now.
 With VERSION it is a compare-and-set: it writes only when the current version of KEY is VERSION (0: KEY must be absent or expired) and returns NULL otherwise, changing nothing.
-Announces the change on kv_channel() at commit.$$;
+Announces the change on kv_channel() at commit while a watcher is registered (kv_watch_begin).$$;
 
 CREATE FUNCTION pgbroker.kv_delete(key text, version bigint DEFAULT NULL)
 RETURNS boolean
@@ -116,11 +193,10 @@ BEGIN
      WHERE e.key = v_key AND (kv_delete.version IS NULL OR e.version = kv_delete.version)
     RETURNING e.expires_at IS NULL OR e.expires_at > v_now INTO v_live;
     IF v_live THEN
-        PERFORM pg_notify('pgbroker_kv', json_build_object('key', v_key, 'version', nextval('pgbroker.kv_version_seq'),
-                                                           'deleted', true)::text);
+        PERFORM pgbroker._kv_announce(v_key, nextval('pgbroker.kv_version_seq'), true);
     END IF;
     RETURN coalesce(v_live, false);
 END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_delete(text, bigint) IS
-    'Delete KEY; with VERSION only when that is its current version. True when a live entry was deleted (and announced on kv_channel()); false, changing nothing visible, otherwise.';
+    'Delete KEY; with VERSION only when that is its current version. True when a live entry was deleted (and announced on kv_channel() while a watcher is registered); false, changing nothing visible, otherwise.';

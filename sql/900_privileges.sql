@@ -73,6 +73,7 @@ TO pgbroker_broker;
 GRANT EXECUTE ON FUNCTION
     pgbroker.lock_acquire(text, interval, boolean, boolean),
     pgbroker.lock_release(text, boolean),
+    pgbroker.lock_key(text),
     pgbroker.semaphore_acquire(text, integer, interval),
     pgbroker.semaphore_release(text),
     pgbroker.semaphore_channel(text),
@@ -80,6 +81,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.kv_set(text, jsonb, bigint, interval),
     pgbroker.kv_delete(text, bigint),
     pgbroker.kv_channel(),
+    pgbroker.kv_watch_begin(),
+    pgbroker.kv_watch_end(),
     pgbroker.counter_add(text, bigint),
     pgbroker.counter_get(text),
     pgbroker.counter_set(text, bigint, bigint)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import io
+import json
 import signal
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from pgbroker import (
     primitives,
 )
 from pgbroker._core import pooler_verdict
+from pgbroker._primitives_core import lock_keys
 
 Connect = Callable[..., psycopg.Connection]
 
@@ -328,6 +330,7 @@ CALLS = [
     "SELECT pgbroker.semaphore_acquire('p', 1)",
     "SELECT pgbroker.semaphore_release('p')",
     "SELECT pgbroker.semaphore_channel('p')",
+    "SELECT pgbroker.lock_key('p')",
     "SELECT * FROM pgbroker.kv_get('p')",
     "SELECT pgbroker.kv_set('p', '1')",
     "SELECT pgbroker.kv_delete('p')",
@@ -365,6 +368,8 @@ BAD_INPUT = [
     ("SELECT pgbroker.lock_acquire('ok', '-1 s')", ()),
     ("SELECT pgbroker.lock_acquire('ok', '0', NULL)", ()),
     ("SELECT pgbroker.lock_release('')", ()),
+    ("SELECT pgbroker.lock_key(NULL)", ()),
+    ("SELECT pgbroker.lock_key(%s)", (LONG,)),
     ("SELECT pgbroker.semaphore_acquire('ok', 0)", ()),
     ("SELECT pgbroker.semaphore_acquire('ok', -1)", ()),
     ("SELECT pgbroker.semaphore_acquire('ok', 1001)", ()),
@@ -409,6 +414,29 @@ def test_bad_input_fails_clearly_and_changes_nothing(connect: Connect):
     assert one(conn, "SELECT pgbroker.counter_get('big')") == 9223372036854775000
 
 
+def test_lock_key_is_the_lock_of_committed_names_only(connect: Connect):
+    """lock_key(name): the key lock_acquire locks, NULL before the first use and inside the registering transaction."""
+    a, b, admin = connect("A", user="t_user"), connect("B", user="t_user"), connect("admin")
+    assert one(a, "SELECT pgbroker.lock_key('k1')") is None
+    with a.transaction():
+        assert acquire(a, "k1") is True
+        assert one(a, "SELECT pgbroker.lock_key('k1')") is None  # a rollback would void it
+    key = one(a, "SELECT pgbroker.lock_key('k1')")
+    assert key == one(admin, "SELECT key FROM pgbroker.lock_name WHERE name = 'k1'")
+    assert one(b, "SELECT pgbroker.lock_key('k1')") == key
+    assert release(a, "k1") is True
+    # The same lock as lock_acquire's: taken raw by key, lock_acquire sees it held, and the view names it.
+    b.execute("SELECT pg_advisory_lock(1885823596, %s)", (key,))
+    assert acquire(a, "k1") is False
+    assert one(admin, "SELECT holder_pid FROM pgbroker.locks WHERE name = 'k1'") == b.info.backend_pid
+    assert release(b, "k1") is True
+    assert acquire(a, "k1") is True
+    with pytest.raises(psycopg.errors.DivisionByZero), a.transaction():
+        assert acquire(a, "k2") is True
+        a.execute("SELECT 1/0")
+    assert one(a, "SELECT pgbroker.lock_key('k2')") is None  # rolled back: never registered
+
+
 # ---------------------------------------------------------------------------
 # Python: Lock
 
@@ -436,6 +464,60 @@ def test_python_lock(connect: Connect):
         Lock(a, "").acquire()
     with pytest.raises(InvalidArgument):
         Lock(a, "py").acquire(timeout=-1)
+
+
+def test_python_lock_by_cached_key(connect: Connect):
+    """After a name's first use the Lock takes the same advisory lock by its key, with the same semantics."""
+    a, b, admin = connect("A", user="t_user"), connect("B", user="t_user"), connect("admin")
+    lock = Lock(a, "cached")
+    assert lock.acquire() is True
+    lock.release()
+    key = one(admin, "SELECT key FROM pgbroker.lock_name WHERE name = 'cached'")
+    assert lock_keys(a) == {"cached": key}
+    statements: list[str] = []
+    a.add_notice_handler(lambda diag: statements.append(str(diag.message_primary)))
+    with Lock(a, "cached", timeout=0) as held:
+        assert held.locked and acquire(b, "cached") is False
+        assert one(admin, "SELECT holder_pid FROM pgbroker.locks WHERE name = 'cached'") == a.info.backend_pid
+    assert acquire(b, "cached") is True
+    assert Lock(a, "cached", timeout=0).acquire() is False
+    assert Lock(a, "cached", shared=True, timeout=0).acquire() is False
+    assert release(b, "cached") is True
+    # shared holds by key stack and exclude exclusive ones
+    s1, s2 = Lock(a, "cached", shared=True), Lock(a, "cached", shared=True)
+    assert s1.acquire() is True and s2.acquire() is True
+    assert acquire(b, "cached", shared=True) is True and acquire(b, "cached") is False
+    assert release(b, "cached", shared=True) is True
+    s1.release()
+    assert acquire(b, "cached") is False
+    s2.release()
+    assert acquire(b, "cached") is True
+    # A session lock_timeout does not turn "wait as long as it takes" into an error.
+    a.execute("SET lock_timeout = '50ms'")
+    thread, out = in_thread(Lock(a, "cached").acquire)
+    wait_for(lambda: blocked(admin, a.info.backend_pid))
+    time.sleep(0.2)
+    assert thread.is_alive()
+    released_at = time.monotonic()
+    assert release(b, "cached") is True
+    thread.join(5)
+    assert out.get("value") is True and out["at"] >= released_at, out
+    assert acquire(b, "cached") is False
+    assert statements == []  # no "you don't own a lock" warnings on the way
+
+
+def test_python_lock_caches_no_key_of_a_rolled_back_registration(connect: Connect):
+    a, b = connect("A", user="t_user"), connect("B", user="t_user")
+    with pytest.raises(psycopg.errors.DivisionByZero), a.transaction():
+        assert Lock(a, "gone", timeout=0).acquire() is True
+        a.execute("SELECT 1/0")
+    assert "gone" not in lock_keys(a)
+    assert acquire(b, "gone") is True  # registered afresh, with a new key
+    assert Lock(a, "gone", timeout=0).acquire() is False
+    assert lock_keys(a)["gone"] == one(b, "SELECT pgbroker.lock_key('gone')")
+    assert Lock(a, "gone", timeout=0).acquire() is False  # by key now: the same lock
+    assert release(b, "gone") is True
+    assert Lock(a, "gone", timeout=0).acquire() is True and acquire(b, "gone") is False
 
 
 def test_python_transaction_scoped_lock(connect: Connect):
@@ -555,6 +637,90 @@ def test_sql_semaphore_window_with_raw_listen(connect: Connect):
 
 # ---------------------------------------------------------------------------
 # Python: KV and its watch
+
+
+def kv_notes(conn: psycopg.Connection) -> list[tuple[str, int]]:
+    """The (key, version) of the key-value notifications queued for conn, in commit order."""
+    return [
+        (json.loads(n.payload)["key"], json.loads(n.payload)["version"])
+        for n in conn.notifies(timeout=0.5, stop_after=100)
+        if n.channel == "pgbroker_kv"
+    ]
+
+
+def test_kv_changes_are_announced_only_while_a_session_watches(connect: Connect):
+    """Unwatched writes send no NOTIFY; registered watchers (kv_watch_begin .. kv_watch_end) get every change.
+
+    Notifications arrive in commit order, so a change announced after an
+    unannounced one proves the first was not announced (no timing involved).
+    """
+    writer, listener, watcher = (connect(n, user="t_user") for n in ("W", "L", "V"))
+    listener.execute("LISTEN pgbroker_kv")  # listens, never registers
+    watcher.execute("LISTEN pgbroker_kv")
+    quiet = one(writer, "SELECT pgbroker.kv_set('a', '1')")
+    assert one(writer, "SELECT pgbroker.kv_delete('a')") is True
+    watcher.execute("SELECT pgbroker.kv_watch_begin()")
+    loud = one(writer, "SELECT pgbroker.kv_set('b', '1')")
+    assert kv_notes(listener) == [("b", loud)] and kv_notes(watcher) == [("b", loud)]
+    assert loud > quiet
+    # the watcher's own writes reach it too
+    own = one(watcher, "SELECT pgbroker.kv_set('own', '1')")
+    assert kv_notes(watcher) == [("own", own)] and kv_notes(listener) == [("own", own)]
+    assert one(watcher, "SELECT pgbroker.kv_watch_end()") is True
+    assert one(watcher, "SELECT pgbroker.kv_watch_end()") is False
+    quiet2 = one(writer, "SELECT pgbroker.kv_set('c', '1')")
+    watcher.execute("SELECT pgbroker.kv_watch_begin()")
+    loud2 = one(writer, "SELECT pgbroker.kv_set('d', '1')")
+    assert kv_notes(listener) == [("d", loud2)] and loud2 > quiet2
+    watcher.close()  # a watcher's registration ends with its session
+    wait_for(lambda: one(writer, "SELECT count(*) FROM pg_locks WHERE classid = 1885823595 AND objid = 1") == 0)
+    one(writer, "SELECT pgbroker.kv_set('e', '1')")
+    listener.execute("SELECT pgbroker.kv_watch_begin()")
+    last = one(writer, "SELECT pgbroker.kv_set('f', '1')")
+    assert kv_notes(listener) == [("f", last)]
+
+
+def test_kv_watch_begin_waits_for_writes_in_flight(connect: Connect):
+    """The lost-wake-up window, forced: a write that looked for watchers before one registered is not announced,
+    so the registration waits for its commit and the watcher's read sees it; writes meanwhile are not held up.
+    """
+    writer = connect("W", user="t_user", autocommit=False)
+    other, watcher, admin = connect("O", user="t_user"), connect("V", user="t_user"), connect("admin")
+    version = one(writer, "SELECT pgbroker.kv_set('win', '1')")  # in flight: no watcher yet, not announced
+    watcher.execute("LISTEN pgbroker_kv")
+    thread, out = in_thread(lambda: watcher.execute("SELECT pgbroker.kv_watch_begin()"))
+    wait_for(lambda: blocked(admin, watcher.info.backend_pid))
+    # Writes do not wait for the registering watcher; they announce themselves while it registers.
+    wthread, wout = in_thread(lambda: one(other, "SELECT pgbroker.kv_set('meanwhile', '2')"))
+    wthread.join(5)
+    assert "value" in wout, wout
+    assert thread.is_alive() and blocked(admin, watcher.info.backend_pid)
+    writer.commit()
+    thread.join(5)
+    assert "error" not in out and "at" in out, out
+    assert one(watcher, "SELECT version FROM pgbroker.kv_get('win')") == version
+    assert kv_notes(watcher) == [("meanwhile", wout["value"])]
+    # From now on the writer's changes are announced.
+    again = one(writer, "SELECT pgbroker.kv_set('win', '3')")
+    writer.commit()
+    assert kv_notes(watcher) == [("win", again)]
+
+
+def test_python_kv_watch_sees_a_write_in_flight_when_it_starts(connect: Connect):
+    writer = connect("W", user="t_user", autocommit=False)
+    watch_conn, admin = connect("V", user="t_user"), connect("admin")
+    version = one(writer, "SELECT pgbroker.kv_set('pw', '{\"n\": 1}')")
+    watch = KV(watch_conn).watch(key="pw", timeout=10)
+    thread, out = in_thread(lambda: next(watch))
+    wait_for(lambda: blocked(admin, watch_conn.info.backend_pid))
+    writer.commit()
+    thread.join(10)
+    assert out.get("value") == KVChange("pw", {"n": 1}, version), out
+    later = one(writer, "SELECT pgbroker.kv_set('pw', '2')")
+    writer.commit()
+    assert next(watch) == KVChange("pw", 2, later)
+    watch.close()
+    assert one(watch_conn, "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND classid = 1885823595") == 0
 
 
 def test_python_kv(connect: Connect):

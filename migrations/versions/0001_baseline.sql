@@ -2751,6 +2751,28 @@ COMMENT ON FUNCTION pgbroker.lock_release(text, boolean) IS
 $$Release one hold of the session-scoped lock NAME (shared when SHARED => true). Returns false, changing nothing, when this session does not hold it that way.
 Transaction-scoped locks cannot be released early: they end with their transaction (false here).$$;
 
+-- The key of a name without registering it.  Only keys of committed
+-- registrations: a key registered by the caller's open transaction may still
+-- be rolled back (and then never name anything), so it is not handed out.
+-- Clients cache it (the Python Lock does, per connection) and take
+-- pg_advisory_lock(1885823596, key) directly, the same lock lock_acquire()
+-- takes: a registered name keeps its key for ever (rows are never deleted
+-- nor updated in the key).
+CREATE FUNCTION pgbroker.lock_key(name text)
+RETURNS integer
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT l.key FROM pgbroker.lock_name l
+     WHERE l.name = pgbroker._check_key(lock_key.name, 'lock name')
+       AND l.registered_xid IS DISTINCT FROM pg_current_xact_id_if_assigned()
+$$;
+COMMENT ON FUNCTION pgbroker.lock_key(text) IS
+$$The advisory lock of named lock NAME is (1885823596, lock_key(NAME)) in the two-int4 form: the same lock lock_acquire(NAME) takes, for pg_locks or for a client that caches the key.
+NULL when NAME was never used (it is registered by its first lock_acquire), or when the caller's open transaction registered it (a rollback would void that key).
+A registered name keeps its key for ever.$$;
+
 -- ===== sql/660_semaphores.sql =====
 
 -- pgbroker: counting semaphores.
@@ -2897,26 +2919,52 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_name text := pgbroker._check_key(semaphore_acquire.name, 'semaphore name');
-    v_ms text := pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 when negative
+    v_name text := semaphore_acquire.name;
     v_keys integer[];
+    v_mine boolean;
     v_own boolean[];
     v_got integer;
     v_deadline timestamptz;
     v_watch integer;
     v_timeout text;
 BEGIN
+    -- The hot path: checks inline, one registry query, the tries inline (no
+    -- helper calls, each of which would set the search_path again).
+    IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
+        PERFORM pgbroker._check_key(v_name, 'semaphore name');   -- 22023 with its message
+    END IF;
+    IF semaphore_acquire.wait < '0'::interval THEN
+        PERFORM pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 with its message
+    END IF;
     IF semaphore_acquire."limit" IS NULL OR semaphore_acquire."limit" < 1 OR semaphore_acquire."limit" > 1000 THEN
         RAISE EXCEPTION 'semaphore limit must be 1 to 1000, got %', coalesce(semaphore_acquire."limit"::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    v_keys := pgbroker._semaphore_keys(v_name, semaphore_acquire."limit", semaphore_acquire.wait);
-    IF v_keys IS NULL THEN
-        RETURN NULL;
-    END IF;
-    SELECT array_agg(p.registered_xid IS NOT DISTINCT FROM pg_current_xact_id_if_assigned() ORDER BY p.permit) INTO v_own
+    SELECT array_agg(p.key ORDER BY p.permit), bool_or(p.registered_xid = pg_current_xact_id_if_assigned())
+      INTO v_keys, v_mine
       FROM pgbroker.semaphore_permit p WHERE p.name = v_name AND p.permit <= semaphore_acquire."limit";
-    v_got := pgbroker._semaphore_try(v_keys, v_own);
+    IF cardinality(v_keys) IS DISTINCT FROM semaphore_acquire."limit" THEN
+        -- First use of (some of) these permits: register them.
+        v_keys := pgbroker._semaphore_keys(v_name, semaphore_acquire."limit", semaphore_acquire.wait);
+        IF v_keys IS NULL THEN
+            RETURN NULL;
+        END IF;
+        v_mine := true;   -- maybe: look below
+    END IF;
+    IF v_mine THEN
+        -- Some permits registered by this open transaction (see above).
+        SELECT array_agg(p.registered_xid IS NOT DISTINCT FROM pg_current_xact_id_if_assigned() ORDER BY p.permit)
+          INTO v_own
+          FROM pgbroker.semaphore_permit p WHERE p.name = v_name AND p.permit <= semaphore_acquire."limit";
+        v_got := pgbroker._semaphore_try(v_keys, v_own);
+    ELSE
+        v_own := array_fill(false, ARRAY[semaphore_acquire."limit"]);
+        FOR i IN 1 .. semaphore_acquire."limit" LOOP
+            IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
+                RETURN i;
+            END IF;
+        END LOOP;
+    END IF;
     IF v_got IS NOT NULL OR semaphore_acquire.wait = '0'::interval THEN
         RETURN v_got;
     END IF;
@@ -2959,10 +3007,31 @@ SET search_path = pg_catalog, pg_temp
 SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
 AS $$
 DECLARE
-    v_name text := pgbroker._check_key(semaphore_release.name, 'semaphore name');
+    v_name text := semaphore_release.name;
     v_permit pgbroker.semaphore_permit;
+    v_keys integer[];
+    v_permits integer[];
+    v_mine boolean;
 BEGIN
+    IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
+        PERFORM pgbroker._check_key(v_name, 'semaphore name');   -- 22023 with its message
+    END IF;
     -- The highest permit this session holds, so that low numbers stay in use.
+    SELECT array_agg(p.key ORDER BY p.permit DESC), array_agg(p.permit ORDER BY p.permit DESC),
+           bool_or(p.registered_xid = pg_current_xact_id_if_assigned())
+      INTO v_keys, v_permits, v_mine
+      FROM pgbroker.semaphore_permit p WHERE p.name = v_name;
+    IF NOT v_mine THEN
+        -- The hot path: no permit registered by this open transaction.
+        FOR i IN 1 .. cardinality(v_keys) LOOP
+            IF pg_advisory_unlock(1885823597, v_keys[i]) THEN
+                -- semaphore_channel(v_name), without its call and settings frame
+                PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permits[i]::text);
+                RETURN true;
+            END IF;
+        END LOOP;
+        RETURN false;
+    END IF;
     FOR v_permit IN SELECT * FROM pgbroker.semaphore_permit p WHERE p.name = v_name ORDER BY p.permit DESC LOOP
         IF v_permit.registered_xid = pg_current_xact_id_if_assigned() THEN
             -- Registered by this open transaction: give back a pending hold.
@@ -2989,9 +3058,29 @@ COMMENT ON FUNCTION pgbroker.semaphore_release(text) IS
 -- one sequence, so a key's version grows on every change, also across a
 -- delete and a new set.  kv_set with a VERSION is a compare-and-set in one
 -- statement: it writes only when the key's current version equals VERSION
--- (0: the key must not exist).  An expired key reads as absent.  Every change
--- is announced with NOTIFY on the channel 'pgbroker_kv', payload
--- {"key": ..., "version": ...} ("deleted": true for a delete), at commit.
+-- (0: the key must not exist).  An expired key reads as absent.  While a
+-- watcher is registered (kv_watch_begin), every change is announced with
+-- NOTIFY on the channel 'pgbroker_kv', payload {"key": ..., "version": ...}
+-- ("deleted": true for a delete), at commit.
+--
+-- Announcing only while someone watches.  A NOTIFY costs every writer a
+-- cluster-wide lock held through its commit's WAL flush, which serialises
+-- concurrent writers' commits; most writes have no watcher.  Two advisory
+-- locks of class 'pgbk' (1885823595) tell, without a lost wake-up:
+--   (1885823595, 1) "watchers": each registered watcher holds it shared, for
+--       its session (kv_watch_begin .. kv_watch_end; a crashed watcher's goes
+--       with its session);
+--   (1885823595, 0) "writes in flight": each write holds it shared until its
+--       transaction ends, taken with a try before it looks for watchers.
+-- A write announces itself unless it got the "in flight" lock and then found
+-- the "watchers" lock free (a momentary exclusive try, given back in the same
+-- expression; a write that loses that race to another write announces itself,
+-- which is harmless).  A watcher LISTENs, takes "watchers" shared, then takes
+-- "in flight" exclusive (for its transaction), which waits for the writes
+-- that looked before it registered to end, and only then reads.  So every
+-- change is either announced after the watcher listens, or committed before
+-- it reads.  Writes never wait for watchers: while a watcher registers, the
+-- try on "in flight" fails and the write announces itself.
 
 CREATE TABLE pgbroker.kv_entry (
     key text PRIMARY KEY,
@@ -3016,7 +3105,64 @@ LANGUAGE sql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT 'pgbroker_kv'::text $$;
 COMMENT ON FUNCTION pgbroker.kv_channel() IS
-    'The channel every key-value change is announced on: pgbroker_kv, payload {"key": ..., "version": ...} ("deleted": true for a delete).';
+    'The channel key-value changes are announced on while a watcher is registered (kv_watch_begin): pgbroker_kv, payload {"key": ..., "version": ...} ("deleted": true for a delete).';
+
+-- Announce a change when a watcher may be registered (see above).  No SET
+-- clause: only SECURITY DEFINER functions with a pinned search_path call it,
+-- and a SET clause costs a settings frame per call; every name in it is
+-- qualified.
+CREATE FUNCTION pgbroker._kv_announce(p_key text, p_version bigint, p_deleted boolean)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    -- A session's own shared lock never conflicts with its own try: a session
+    -- that watches marks itself (kv_watch_begin) and always announces.
+    IF pg_catalog.pg_try_advisory_xact_lock_shared(1885823595, 0)
+       AND pg_catalog.current_setting('pgbroker.kv_watching', true) IS DISTINCT FROM 'on' THEN
+        IF (CASE WHEN pg_catalog.pg_try_advisory_lock(1885823595, 1) THEN pg_catalog.pg_advisory_unlock(1885823595, 1)
+                 ELSE false END) THEN
+            RETURN;   -- no watcher registered; one that registers from now on waits for this transaction
+        END IF;
+    END IF;
+    PERFORM pg_catalog.pg_notify('pgbroker_kv',
+        CASE WHEN p_deleted THEN pg_catalog.json_build_object('key', p_key, 'version', p_version, 'deleted', true)
+             ELSE pg_catalog.json_build_object('key', p_key, 'version', p_version) END::text);
+END
+$$;
+COMMENT ON FUNCTION pgbroker._kv_announce(text, bigint, boolean) IS
+    'Internal: NOTIFY kv_channel() of a change to key p_key (version p_version) unless no watcher is registered (see kv_watch_begin).';
+
+CREATE FUNCTION pgbroker.kv_watch_begin()
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM pg_advisory_lock_shared(1885823595, 1);
+    PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
+    -- Wait for the writes that looked for watchers before we registered.
+    PERFORM pg_advisory_xact_lock(1885823595, 0);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_watch_begin() IS
+$$Register this session as a watcher of the key-value store: from now on every change is announced on kv_channel() at commit (without a registered watcher, changes are not announced).
+Waits for the key-value writes in flight (they looked for watchers before) to commit or roll back. The loop: LISTEN on kv_channel(), then SELECT kv_watch_begin(), both outside a transaction, then read; held until kv_watch_end() or the session ends.$$;
+
+CREATE FUNCTION pgbroker.kv_watch_end()
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
+AS $$
+BEGIN
+    RETURN pg_advisory_unlock_shared(1885823595, 1);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.kv_watch_end() IS
+    'End one kv_watch_begin() of this session (registrations stack); false when it has none. Changes stay announced while any session watches.';
 
 CREATE FUNCTION pgbroker.kv_get(key text)
 RETURNS TABLE (value jsonb, version bigint, expires_at timestamptz)
@@ -3076,7 +3222,7 @@ BEGIN
         RETURNING e.version INTO v_new;
     END IF;
     IF v_new IS NOT NULL THEN
-        PERFORM pg_notify('pgbroker_kv', json_build_object('key', v_key, 'version', v_new)::text);
+        PERFORM pgbroker._kv_announce(v_key, v_new, false);
     END IF;
     RETURN v_new;
 END
@@ -3084,7 +3230,7 @@ $$;
 COMMENT ON FUNCTION pgbroker.kv_set(text, jsonb, bigint, interval) IS
 $$Set KEY (1 to 200 bytes) to VALUE (jsonb, not NULL) and return the new version; TTL (positive) makes it expire that long from now.
 With VERSION it is a compare-and-set: it writes only when the current version of KEY is VERSION (0: KEY must be absent or expired) and returns NULL otherwise, changing nothing.
-Announces the change on kv_channel() at commit.$$;
+Announces the change on kv_channel() at commit while a watcher is registered (kv_watch_begin).$$;
 
 CREATE FUNCTION pgbroker.kv_delete(key text, version bigint DEFAULT NULL)
 RETURNS boolean
@@ -3101,14 +3247,13 @@ BEGIN
      WHERE e.key = v_key AND (kv_delete.version IS NULL OR e.version = kv_delete.version)
     RETURNING e.expires_at IS NULL OR e.expires_at > v_now INTO v_live;
     IF v_live THEN
-        PERFORM pg_notify('pgbroker_kv', json_build_object('key', v_key, 'version', nextval('pgbroker.kv_version_seq'),
-                                                           'deleted', true)::text);
+        PERFORM pgbroker._kv_announce(v_key, nextval('pgbroker.kv_version_seq'), true);
     END IF;
     RETURN coalesce(v_live, false);
 END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_delete(text, bigint) IS
-    'Delete KEY; with VERSION only when that is its current version. True when a live entry was deleted (and announced on kv_channel()); false, changing nothing visible, otherwise.';
+    'Delete KEY; with VERSION only when that is its current version. True when a live entry was deleted (and announced on kv_channel() while a watcher is registered); false, changing nothing visible, otherwise.';
 
 -- ===== sql/680_counters.sql =====
 
@@ -3605,6 +3750,7 @@ TO pgbroker_broker;
 GRANT EXECUTE ON FUNCTION
     pgbroker.lock_acquire(text, interval, boolean, boolean),
     pgbroker.lock_release(text, boolean),
+    pgbroker.lock_key(text),
     pgbroker.semaphore_acquire(text, integer, interval),
     pgbroker.semaphore_release(text),
     pgbroker.semaphore_channel(text),
@@ -3612,6 +3758,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.kv_set(text, jsonb, bigint, interval),
     pgbroker.kv_delete(text, bigint),
     pgbroker.kv_channel(),
+    pgbroker.kv_watch_begin(),
+    pgbroker.kv_watch_end(),
     pgbroker.counter_add(text, bigint),
     pgbroker.counter_get(text),
     pgbroker.counter_set(text, bigint, bigint)

@@ -9,10 +9,12 @@ full_page_writes ON (the test fixtures turn them off), installs pgbroker with
 its migrations, and measures, in the same run, each against a floor measured
 alternately with it (ratio = pgbroker's throughput / the floor's):
 
-1. Named lock acquire+release cycles/s, ``SELECT pgbroker.lock_acquire('n')``
-   / ``SELECT pgbroker.lock_release('n')`` against ``pg_advisory_lock(1)`` /
-   ``pg_advisory_unlock(1)``, 1 process and 8 processes contending on one name.
-   Target: at least 0.9x.
+1. Named lock acquire+release cycles/s through the Python API
+   (``Lock(conn, 'n')``: ``acquire()`` / ``release()``, which take the lock by
+   its cached key), and through the SQL functions
+   (``SELECT pgbroker.lock_acquire('n')`` / ``SELECT pgbroker.lock_release('n')``),
+   against ``pg_advisory_lock(1)`` / ``pg_advisory_unlock(1)``, 1 process and
+   8 processes contending on one name.  Target: at least 0.9x.
 2. Semaphore acquire+release, limit 4, 8 processes: ``semaphore_acquire('s', 4,
    NULL)`` (waiting in the server), and a retry loop of ``semaphore_acquire('s', 4,
    '0')``, against a retry loop of one statement that tries 4 slot keys with
@@ -24,7 +26,9 @@ alternately with it (ratio = pgbroker's throughput / the floor's):
    one-row table, 1 and 8 processes; KV compare-and-set (``kv_set(key, value,
    version)`` naming the version the previous one returned) against ``UPDATE ...
    WHERE key = $1 AND version = $2 RETURNING version``, 1 process and 8 processes
-   on a key each.  Target: at least 0.8x.
+   on a key each, without a watcher (no NOTIFY) and, 8 processes, while a
+   session watches (``kv_watch_begin``: every change announced).  Target: at
+   least 0.8x.
 4. Peers, where installed (skipped with the reason otherwise; not installed by CI):
    postgresql-lock (0.1.9 on Python 3.11), pals, tooz's PostgreSQL driver, and
    python-redis-lock against a local ``redis-server`` (Debian: ``apt-get install
@@ -158,6 +162,19 @@ def _sql_pair(url: str, first: str, second: str, params: tuple = ()) -> tuple[Cy
 
 def kind_lock(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
     return _sql_pair(url, "SELECT pgbroker.lock_acquire('n')", "SELECT pgbroker.lock_release('n')")
+
+
+def kind_py_lock(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    from pgbroker.primitives import Lock
+
+    conn = _conn(url)
+    lock = Lock(conn, "n")
+
+    def cycle() -> None:
+        lock.acquire()
+        lock.release()
+
+    return cycle, conn.close
 
 
 def kind_lock_floor(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
@@ -488,6 +505,31 @@ def alternate(kinds: Sequence[str], url: str, procs: int, cfg: Settings, server_
     return totals
 
 
+class KVWatcher:
+    """A session registered as a key-value watcher (every change announced), draining its notifications."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = _conn(url)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+
+    def _drain(self) -> None:
+        while not self.stop.is_set():
+            for _ in self.conn.notifies(timeout=0.2):
+                pass
+
+    def __enter__(self) -> KVWatcher:
+        self.conn.execute("LISTEN pgbroker_kv")
+        self.conn.execute("SELECT pgbroker.kv_watch_begin()")
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.conn.close()
+
+
 # ---------------------------------------------------------------------------
 # Release -> next waiter
 
@@ -716,8 +758,13 @@ def run(cfg: Settings) -> Results:
         assert settings["fsync"] == "on" and settings["synchronous_commit"] == "on", settings
 
         for procs in (1, 8):
-            ours, floor = alternate(["lock", "lock_floor"], url, procs, cfg, server_cpu)
-            results.compare(f"lock acquire+release, {procs} proc", ours, floor, LOCK_TARGET, f"lock_{procs}")
+            py, ours, floor = alternate(["py_lock", "lock", "lock_floor"], url, procs, cfg, server_cpu)
+            results.compare(
+                f"lock acquire+release, Python Lock, {procs} proc", py, floor, LOCK_TARGET, f"py_lock_{procs}"
+            )
+            results.compare(
+                f"lock acquire+release, SQL functions, {procs} proc", ours, floor, LOCK_TARGET, f"lock_{procs}"
+            )
 
         for kind, label in (("sem_wait", "wait NULL"), ("sem_try", "retry '0'"), ("sem_listen", "LISTEN+retry")):
             ours, floor = alternate([kind, "sem_floor"], url, 8, cfg, server_cpu)
@@ -748,6 +795,11 @@ def run(cfg: Settings) -> Results:
             ours, floor = alternate(["kv", "kv_floor"], url, procs, cfg, server_cpu)
             label = "1 proc" if procs == 1 else f"{procs} proc, a key each"
             results.compare(f"kv_set compare-and-set, {label}", ours, floor, COUNTER_TARGET, f"kv_{procs}")
+        with KVWatcher(url):
+            ours, floor = alternate(["kv", "kv_floor"], url, 8, cfg, server_cpu)
+        results.compare(
+            "kv_set compare-and-set, 8 proc, a key each, while a session watches", ours, floor, COUNTER_TARGET, "kv_8w"
+        )
 
         bench_peers(url, cfg, server_cpu, results)
 
