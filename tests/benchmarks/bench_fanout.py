@@ -420,6 +420,16 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
                 cpu0 = (server_cpu(pgbench.server.datadir), time.process_time(), _proc_cpu(broker.backend_pid))
                 value = pgbench.tps(f"{variant}{writers}", scripts[variant], writers, cfg.tps_seconds)
                 after = broker.counters()
+                # pgbench's backends exit after it does: count their CPU once the postmaster has reaped them.
+                deadline = time.monotonic() + 10
+                while (
+                    time.monotonic() < deadline
+                    and conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgbench'"
+                    ).fetchone()[0]
+                ):
+                    time.sleep(0.01)
+                time.sleep(0.05)
                 cpu1 = (server_cpu(pgbench.server.datadir), time.process_time(), _proc_cpu(broker.backend_pid))
                 tps[variant].append(value)
                 # Server processes (writers' backends and the broker's) plus this process (the broker's loop).
