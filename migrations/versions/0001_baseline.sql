@@ -2025,7 +2025,9 @@ COMMENT ON FUNCTION pgbroker._watch_fanout_template() IS
     'Internal: template of the INSERT ... SELECT by which the watch triggers fan out the changes of a small statement.';
 
 -- Large statements (planned at each run): each broker with interest in the
--- table is tested (and woken) once, then joined.
+-- table is tested (and woken) once, then joined; {{keyed}} is a query of the
+-- changes with their whole OLD and NEW rows, so that only subscribed rows'
+-- columns are compared ({{changed_late}}).
 CREATE FUNCTION pgbroker._watch_bulk_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
@@ -2036,10 +2038,12 @@ AS $template$ SELECT $t$
                AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j WHERE j.watch_id = {{watch_id}} AND j.name = l.name)
                         THEN {{alive_and_woken:l}} END)
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT i.name, i.epoch, {{watch_id}}, k.op, k.row_key, k.changed, i.clients
-          FROM ({{changes}} OFFSET 0) k
-          JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
-          JOIN live ON live.name = i.name$t$
+        SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
+          FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, {{changed_late}} AS changed
+                  FROM ({{keyed}} OFFSET 0) k
+                  JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
+                  JOIN live ON live.name = i.name) z
+         WHERE z.op <> 'U' OR cardinality(z.changed) > 0$t$
 $template$;
 COMMENT ON FUNCTION pgbroker._watch_bulk_template() IS
     'Internal: template of the INSERT ... SELECT by which the watch triggers fan out the changes of a large statement.';
@@ -2278,6 +2282,7 @@ DECLARE
     v_n_null text;   -- no NEW row (the UPDATE's FULL JOIN found none: a key change)
     v_o_null text;
     v_changed text;  -- the names of the columns whose value changed
+    v_changed_k text; -- the same over the whole rows k.n and k.o (bulk statements)
 BEGIN
     SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb(n.%I)', min(c))
                 ELSE format('jsonb_build_array(%s)', string_agg(format('n.%I', c), ', ' ORDER BY i)) END,
@@ -2294,8 +2299,13 @@ BEGIN
                   string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
                                   THEN format('CASE WHEN n.%I IS DISTINCT FROM o.%I THEN %L END', a.attname, a.attname, a.attname)
                                   ELSE format('CASE WHEN n.%I::text IS DISTINCT FROM o.%I::text THEN %L END', a.attname, a.attname, a.attname)
+                             END, ', ' ORDER BY a.attnum)),
+           format('array_remove(ARRAY[%s]::text[], NULL)',
+                  string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
+                                  THEN format('CASE WHEN (k.n).%I IS DISTINCT FROM (k.o).%I THEN %L END', a.attname, a.attname, a.attname)
+                                  ELSE format('CASE WHEN (k.n).%I::text IS DISTINCT FROM (k.o).%I::text THEN %L END', a.attname, a.attname, a.attname)
                              END, ', ' ORDER BY a.attnum))
-      INTO v_changed
+      INTO v_changed, v_changed_k
       FROM pg_catalog.pg_attribute a
       CROSS JOIN LATERAL format_type(a.atttypid, NULL) AS t
      WHERE a.attrelid = p_watch.relid AND a.attnum > 0 AND NOT a.attisdropped;
@@ -2314,7 +2324,18 @@ BEGIN
                      CASE WHEN %1$s OR %2$s THEN NULL ELSE %5$s END AS changed
                 FROM pgbroker_new n FULL JOIN pgbroker_old o ON %6$s) c
              WHERE c.op <> 'U' OR cardinality(c.changed) > 0$q$,
-                              v_o_null, v_n_null, v_key_o, v_key_n, v_changed, v_same_key));
+                              v_o_null, v_n_null, v_key_o, v_key_n, v_changed, v_same_key),
+        -- Bulk statements compare the columns of subscribed rows only: the
+        -- changes with their whole OLD and NEW rows, and the comparison.
+        'ins_keyed', format($q$SELECT 'I'::"char" AS op, %s AS row_key FROM pgbroker_new n$q$, v_key_n),
+        'del_keyed', format($q$SELECT 'D'::"char" AS op, %s AS row_key FROM pgbroker_old o$q$, v_key_o),
+        'upd_keyed', format($q$SELECT (CASE WHEN %1$s THEN 'I' WHEN %2$s THEN 'D' ELSE 'U' END)::"char" AS op,
+                     CASE WHEN %2$s THEN %3$s ELSE %4$s END AS row_key, n, o
+                FROM pgbroker_new n FULL JOIN pgbroker_old o ON %5$s$q$,
+                              v_o_null, v_n_null, v_key_o, v_key_n, v_same_key),
+        'ins_changed_late', 'NULL::text[]',
+        'del_changed_late', 'NULL::text[]',
+        'upd_changed_late', format($q$CASE WHEN k.op = 'U' THEN %s END$q$, v_changed_k));
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_slots(pgbroker.watched) IS
@@ -2341,7 +2362,8 @@ BEGIN
         v_body := replace(v_body, '{{bulk_literal}}', quote_literal(
                               pgbroker._render(replace(pgbroker._watch_bulk_template(), '{{alive_and_woken:l}}',
                                                        pgbroker._render(pgbroker._watch_alive_template(), '{"r": "l"}')),
-                                               v_slots || jsonb_build_object('changes', v_slots ->> (p_kind || '_changes')))));
+                                               v_slots || jsonb_build_object('keyed', v_slots ->> (p_kind || '_keyed'),
+                                                                             'changed_late', v_slots ->> (p_kind || '_changed_late')))));
         v_slots := v_slots || jsonb_build_object('changes', v_slots ->> (p_kind || '_changes'),
                                                  'transition', CASE p_kind WHEN 'del' THEN 'pgbroker_old' ELSE 'pgbroker_new' END);
     END IF;
@@ -2350,7 +2372,9 @@ BEGIN
         v_body := replace(v_body, '{{alive_and_woken:' || v_row || '}}',
                           pgbroker._render(pgbroker._watch_alive_template(), jsonb_build_object('r', v_row)));
     END LOOP;
-    RETURN pgbroker._render(v_body, v_slots - 'ins_changes' - 'del_changes' - 'upd_changes');
+    RETURN pgbroker._render(v_body, v_slots - ARRAY['ins_changes', 'del_changes', 'upd_changes', 'ins_keyed', 'del_keyed',
+                                                    'upd_keyed', 'ins_changed_late', 'del_changed_late',
+                                                    'upd_changed_late']);
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_function_body(pgbroker.watched, text) IS

@@ -116,10 +116,12 @@ BEGIN
             ELSE true
         END END)
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT i.name, i.epoch, 1, k.op, k.row_key, k.changed, i.clients
-          FROM (SELECT ''I''::"char" AS op, to_jsonb(n.id) AS row_key, NULL::text[] AS changed FROM pgbroker_new n OFFSET 0) k
-          JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
-          JOIN live ON live.name = i.name';
+        SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
+          FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, NULL::text[] AS changed
+                  FROM (SELECT ''I''::"char" AS op, to_jsonb(n.id) AS row_key FROM pgbroker_new n OFFSET 0) k
+                  JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
+                  JOIN live ON live.name = i.name) z
+         WHERE z.op <> ''U'' OR cardinality(z.changed) > 0';
             END IF;
             PERFORM set_config('jit', v_jit, true);
         END IF;
@@ -275,15 +277,14 @@ BEGIN
             ELSE true
         END END)
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT i.name, i.epoch, 1, k.op, k.row_key, k.changed, i.clients
-          FROM (SELECT c.op, c.row_key, c.changed FROM (
-              SELECT (CASE WHEN o.id IS NULL THEN ''I'' WHEN n.id IS NULL THEN ''D'' ELSE ''U'' END)::"char" AS op,
-                     CASE WHEN n.id IS NULL THEN to_jsonb(o.id) ELSE to_jsonb(n.id) END AS row_key,
-                     CASE WHEN o.id IS NULL OR n.id IS NULL THEN NULL ELSE array_remove(ARRAY[CASE WHEN n.id IS DISTINCT FROM o.id THEN ''id'' END, CASE WHEN n.kind IS DISTINCT FROM o.kind THEN ''kind'' END, CASE WHEN n.name IS DISTINCT FROM o.name THEN ''name'' END, CASE WHEN n.config IS DISTINCT FROM o.config THEN ''config'' END, CASE WHEN n.updated_at IS DISTINCT FROM o.updated_at THEN ''updated_at'' END]::text[], NULL) END AS changed
-                FROM pgbroker_new n FULL JOIN pgbroker_old o ON n.id = o.id) c
-             WHERE c.op <> ''U'' OR cardinality(c.changed) > 0 OFFSET 0) k
-          JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
-          JOIN live ON live.name = i.name';
+        SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
+          FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, CASE WHEN k.op = ''U'' THEN array_remove(ARRAY[CASE WHEN (k.n).id IS DISTINCT FROM (k.o).id THEN ''id'' END, CASE WHEN (k.n).kind IS DISTINCT FROM (k.o).kind THEN ''kind'' END, CASE WHEN (k.n).name IS DISTINCT FROM (k.o).name THEN ''name'' END, CASE WHEN (k.n).config IS DISTINCT FROM (k.o).config THEN ''config'' END, CASE WHEN (k.n).updated_at IS DISTINCT FROM (k.o).updated_at THEN ''updated_at'' END]::text[], NULL) END AS changed
+                  FROM (SELECT (CASE WHEN o.id IS NULL THEN ''I'' WHEN n.id IS NULL THEN ''D'' ELSE ''U'' END)::"char" AS op,
+                     CASE WHEN n.id IS NULL THEN to_jsonb(o.id) ELSE to_jsonb(n.id) END AS row_key, n, o
+                FROM pgbroker_new n FULL JOIN pgbroker_old o ON n.id = o.id OFFSET 0) k
+                  JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
+                  JOIN live ON live.name = i.name) z
+         WHERE z.op <> ''U'' OR cardinality(z.changed) > 0';
             END IF;
             PERFORM set_config('jit', v_jit, true);
         END IF;
@@ -434,10 +435,12 @@ BEGIN
             ELSE true
         END END)
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT i.name, i.epoch, 1, k.op, k.row_key, k.changed, i.clients
-          FROM (SELECT ''D''::"char" AS op, to_jsonb(o.id) AS row_key, NULL::text[] AS changed FROM pgbroker_old o OFFSET 0) k
-          JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
-          JOIN live ON live.name = i.name';
+        SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
+          FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, NULL::text[] AS changed
+                  FROM (SELECT ''D''::"char" AS op, to_jsonb(o.id) AS row_key FROM pgbroker_old o OFFSET 0) k
+                  JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
+                  JOIN live ON live.name = i.name) z
+         WHERE z.op <> ''U'' OR cardinality(z.changed) > 0';
             END IF;
             PERFORM set_config('jit', v_jit, true);
         END IF;
