@@ -1,0 +1,434 @@
+"""Run every benchmark of the project, one after the other, and write a report (run on demand).
+
+    python3 -m pip install -e '.[bench]'        # matplotlib, for the plots
+    python3 tests/benchmarks/report.py [--quick] [--out DIR]
+
+Runs bench_lease, bench_fanout and bench_primitives in this order (never two
+at once: each starts its own PostgreSQL and measures against floors of its own
+run), then writes into DIR (default ``docs/benchmarks/``):
+
+- ``report.md``: the machine (CPU model and count, PostgreSQL version, date),
+  then one table per benchmark with its rows as the benchmark prints them and
+  its notes;
+- ``ratios_<benchmark>.png``: every row's ratio against its floor (the ratio
+  column as printed), with the row's target drawn where it is a ratio;
+- ``lock_peers.png``: the lock cycle's throughput ratio of pgbroker and of each
+  peer that was installed, side by side, against the same raw floor;
+- ``latencies.png``: the latency percentiles the benchmarks report (takeover
+  after SIGKILL, commit-to-handler, release-to-waiter), pgbroker beside its
+  floor.  The benchmarks keep percentiles, not raw samples, so no histogram.
+
+The ratios carry the claims; absolute times move with the machine's load.
+``--quick`` shortens the fan-out and primitives runs (noisier); the lease
+benchmark has no quick mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DEFAULT_OUT = REPO / "docs" / "benchmarks"
+INSTALL_HINT = "matplotlib is needed for the plots: python3 -m pip install -e '.[bench]' (or: pip install matplotlib)"
+
+RATIO_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)x\s*$")
+TARGET_RE = re.compile(r"(<=|>=)\s*(\d+(?:\.\d+)?)x")
+MS_RE = re.compile(r"^\s*(\d+(?:\.\d+)?) ms\s*$")
+PCT_RE = re.compile(r"(p\d+|max) (\d+(?:\.\d+)?) ms")
+LOCK_RE = re.compile(r"^(?:lock acquire\+release, (?P<ours>.+)|peer (?P<peer>.+), lock cycles), (?P<procs>\d+) proc$")
+
+
+class BenchResults(Protocol):
+    rows: list[tuple[str, str, str, str, str]]
+    figures: dict[str, float]
+
+
+@dataclass
+class Section:
+    """One benchmark's outcome: its Results, or the error that stopped it."""
+
+    name: str  # "lease", "fanout", "primitives"
+    title: str
+    results: BenchResults | None = None
+    error: str = ""
+    seconds: float = 0.0
+    settings: str = ""
+
+    @property
+    def notes(self) -> list[str]:
+        return list(getattr(self.results, "notes", []) or [])
+
+
+@dataclass
+class Machine:
+    cpu_model: str
+    cpus: int
+    postgres: str
+    date: str
+    python: str = field(default_factory=platform.python_version)
+    load: str = ""
+
+
+# ---------------------------------------------------------------------------
+# The machine
+
+
+def machine_info() -> Machine:
+    model, count = "unknown", 0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "processor":
+                count += 1
+            elif key.strip() == "model name":
+                model = value.strip()
+    except OSError:
+        pass
+    return Machine(
+        cpu_model=model,
+        cpus=count or os.cpu_count() or 0,
+        postgres=postgres_version(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        load="{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
+    )
+
+
+def postgres_version() -> str:
+    """The version of the binaries the benchmarks start (pgbroker._embedded.find_pg_bin)."""
+    try:
+        sys.path.insert(0, str(REPO))
+        from pgbroker._embedded import find_pg_bin
+
+        out = subprocess.run([str(find_pg_bin() / "postgres"), "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.strip() or out.stderr.strip() or "unknown"
+    except Exception as exc:  # the report still says what it could not find
+        return f"unknown ({exc})"
+
+
+# ---------------------------------------------------------------------------
+# Running the benchmarks
+
+
+def run_all(quick: bool) -> list[Section]:
+    """Run the three benchmarks one after the other, in this process; a failure is recorded, not raised."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import bench_fanout
+    import bench_lease
+    import bench_primitives
+
+    plans: list[tuple[str, str, Callable[[], Any], str]] = [
+        ("lease", "Broker lease (bench_lease.py)", bench_lease.run, "full (no quick mode)"),
+        (
+            "fanout",
+            "Fan-out (bench_fanout.py)",
+            lambda: bench_fanout.run(bench_fanout.Settings.quick() if quick else bench_fanout.Settings()),
+            "--quick" if quick else "full",
+        ),
+        (
+            "primitives",
+            "Primitives and peers (bench_primitives.py)",
+            lambda: bench_primitives.run(bench_primitives.Settings.quick() if quick else bench_primitives.Settings()),
+            "--quick" if quick else "full",
+        ),
+    ]
+    sections = []
+    for name, title, run, settings in plans:
+        print(f"== {title}, {settings}", flush=True)
+        section = Section(name, title, settings=settings)
+        started = time.monotonic()
+        try:
+            section.results = run()
+        except Exception:
+            section.error = traceback.format_exc()
+            print(section.error, file=sys.stderr, flush=True)
+        section.seconds = time.monotonic() - started
+        sections.append(section)
+    return sections
+
+
+# ---------------------------------------------------------------------------
+# Markdown
+
+
+def _cell(text: str) -> str:
+    text = text.replace("|", "\\|")
+    stripped = text.lstrip(" ")
+    indent = (len(text) - len(stripped)) // 2
+    return "&emsp;" * indent + stripped
+
+
+def markdown_table(rows: Sequence[tuple[str, str, str, str, str]]) -> str:
+    lines = ["| metric | pgbroker | floor | ratio | target |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(
+    machine: Machine, sections: Sequence[Section], plots: Sequence[Path], skipped: Sequence[str]
+) -> str:
+    out = [
+        "# pgbroker benchmark report",
+        "",
+        "Made by `python3 tests/benchmarks/report.py` on:",
+        "",
+        f"- CPU: {machine.cpu_model}, {machine.cpus} CPUs",
+        f"- PostgreSQL: {machine.postgres} (each benchmark starts its own server with fsync,"
+        " synchronous_commit and full_page_writes on)",
+        f"- Python {machine.python}; date {machine.date}; load average at the start {machine.load}",
+        "- runs: " + "; ".join(f"{s.name} {s.settings or '?'}" for s in sections) + " (--quick: shorter, noisier)",
+        "",
+        "Each ratio compares pgbroker with a floor measured in the same run (rounds alternate);"
+        " what a ratio divides is said by each benchmark's footer line below. Absolute figures"
+        " move with the machine's load, the ratios much less: the ratios carry the claims.",
+        "",
+    ]
+    footers = {
+        "lease": "ratio: pgbroker's time per operation / the floor's (lower is better).",
+        "fanout": "floor: the same work unwatched, or the plain SQL named in the metric; the target says"
+        " which direction is better for each row.",
+        "primitives": "ratio: pgbroker's throughput / the floor's (higher is better), except the latency"
+        " rows (p99 / the floor's p99); CPU = client + server.",
+    }
+    for section in sections:
+        out += [f"## {section.title}", ""]
+        if section.results is None:
+            out += ["Failed; no figures:", "", "```", section.error.strip(), "```", ""]
+            continue
+        out += [markdown_table(section.results.rows), ""]
+        missed = [r[0].strip() for r in section.results.rows if r[4].rstrip().endswith("MISSED")]
+        out += [
+            f"{footers.get(section.name, '')} Run: {section.settings}, {section.seconds:.0f} s;"
+            f" targets missed: {', '.join(missed) or 'none'}.",
+            "",
+        ]
+        out += [f"- note: {n}" for n in section.notes]
+        if section.notes:
+            out.append("")
+    if plots or skipped:
+        out += ["## Plots", ""]
+        for p in plots:
+            out += [f"![{p.stem}]({p.name})", ""]
+        out += [f"- {s}" for s in skipped]
+        if skipped:
+            out.append("")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
+# Plots
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def ratio_rows(rows: Sequence[tuple[str, str, str, str, str]]) -> list[tuple[str, float, float | None, str, str]]:
+    """Each row with an 'Nx' ratio: (metric, ratio, target ratio or None, '<=' / '>=' or '', verdict)."""
+    found = []
+    for metric, _ours, _floor, ratio, target in rows:
+        m = RATIO_RE.match(ratio)
+        if not m:
+            continue
+        t = TARGET_RE.search(target)
+        verdict = "MISSED" if target.rstrip().endswith("MISSED") else ("ok" if target.rstrip().endswith("ok") else "")
+        found.append((metric.strip(), float(m.group(1)), float(t.group(2)) if t else None, t.group(1) if t else "",
+                      verdict))  # fmt: skip
+    return found
+
+
+def plot_ratios(section: Section, out: Path) -> Path | None:
+    plt = _matplotlib()
+    assert section.results is not None
+    data = ratio_rows(section.results.rows)
+    if not data:
+        return None
+    colours = {"ok": "tab:green", "MISSED": "tab:red", "": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.34 * len(data)))
+    ys = list(range(len(data)))[::-1]
+    # Green / red only where the target is a ratio: a target in ms or per row is not what the bar shows.
+    ax.barh(ys, [d[1] for d in data], color=[colours[d[4] if d[2] is not None else ""] for d in data], height=0.65)
+    for y, (_metric, ratio, target, direction, _verdict) in zip(ys, data, strict=True):
+        ax.text(ratio, y, f" {ratio:.2f}x", va="center", fontsize=7)
+        if target is not None:
+            ax.plot([target, target], [y - 0.4, y + 0.4], color="black", linewidth=2)
+            ax.text(target, y + 0.42, f"{direction} {target:g}x", ha="center", va="bottom", fontsize=6)
+    ax.axvline(1.0, color="black", linestyle=":", linewidth=1)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([d[0] for d in data], fontsize=7)
+    ax.set_xlabel(
+        "ratio to the floor of the same run, as printed (1 = the floor; black tick: a ratio target,"
+        " green met, red missed; grey: no ratio target)"
+    )
+    ax.set_title(section.title, fontsize=10)
+    ax.set_xlim(0, max(max(d[1] for d in data), max((d[2] or 0) for d in data), 1.0) * 1.18)
+    fig.tight_layout()
+    path = out / f"ratios_{section.name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_lock_peers(sections: Sequence[Section], out: Path) -> Path | None:
+    """pgbroker's lock cycles beside each installed peer's, each as a throughput ratio to the same raw floor."""
+    rows = [r for s in sections if s.name == "primitives" and s.results is not None for r in s.results.rows]
+    groups: dict[str, dict[int, float]] = {}
+    for metric, _ours, _floor, ratio, _target in rows:
+        m, r = LOCK_RE.match(metric.strip()), RATIO_RE.match(ratio)
+        if m and r:
+            label = f"pgbroker, {m['ours']}" if m["ours"] else m["peer"]
+            groups.setdefault(label, {})[int(m["procs"])] = float(r.group(1))
+    if not groups:
+        return None
+    plt = _matplotlib()
+    procs = sorted({p for g in groups.values() for p in g})
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(groups)
+    for i, (label, values) in enumerate(groups.items()):
+        xs = [j + i * width for j, p in enumerate(procs) if p in values]
+        vs = [values[p] for p in procs if p in values]
+        bars = ax.bar(xs, vs, width=width, label=label)
+        ax.bar_label(bars, labels=[f"{v:.2f}x" for v in vs], fontsize=7)
+    ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
+    ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(procs))])
+    ax.set_xticklabels([f"{p} process{'es' if p > 1 else ''}" for p in procs])
+    ax.set_ylabel("lock cycles/s / raw advisory-lock floor's")
+    ax.set_title("Lock acquire+release: pgbroker and peers against the same floor (higher is better)", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "lock_peers.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def latency_rows(sections: Sequence[Section]) -> list[tuple[str, float, float]]:
+    """(label, pgbroker ms, floor ms) for each latency percentile a benchmark printed."""
+    found = []
+    for section in sections:
+        if section.results is None:
+            continue
+        for metric, ours, floor, _ratio, _target in section.results.rows:
+            a, b = MS_RE.match(ours), MS_RE.match(floor)
+            if a and b:
+                found.append((metric.strip(), float(a.group(1)), float(b.group(1))))
+                continue
+            pa, pb = dict(PCT_RE.findall(ours)), dict(PCT_RE.findall(floor))
+            for q in pa:
+                if q in pb:
+                    found.append((f"{metric.strip()} {q}", float(pa[q]), float(pb[q])))
+    return [f for f in found if "latency" in f[0] or "takeover" in f[0] or "waiter" in f[0]]
+
+
+def plot_latencies(sections: Sequence[Section], out: Path) -> Path | None:
+    data = latency_rows(sections)
+    if not data:
+        return None
+    plt = _matplotlib()
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.42 * len(data)))
+    ys = list(range(len(data)))[::-1]
+    h = 0.38
+    ax.barh([y + h / 2 for y in ys], [d[1] for d in data], height=h, label="pgbroker", color="tab:blue")
+    ax.barh([y - h / 2 for y in ys], [d[2] for d in data], height=h, label="floor", color="tab:gray")
+    for y, (_label, a, b) in zip(ys, data, strict=True):
+        ax.text(a, y + h / 2, f" {a:.2f} ms", va="center", fontsize=6)
+        ax.text(b, y - h / 2, f" {b:.2f} ms", va="center", fontsize=6)
+    ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: f"{v:g}" if str(v)[0] in "25" else ""))
+    ax.set_yticks(ys)
+    ax.set_yticklabels([d[0] for d in data], fontsize=7)
+    ax.set_xlabel("milliseconds (log scale); percentiles as the benchmarks report them")
+    ax.set_title("Latencies: pgbroker beside the floor of the same run", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "latencies.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def render_plots(sections: Sequence[Section], out: Path) -> tuple[list[Path], list[str]]:
+    """Write the PNGs; returns (paths, notes on what was skipped and why)."""
+    plots: list[Path] = []
+    skipped: list[str] = []
+    for section in sections:
+        if section.results is None:
+            skipped.append(f"no ratio plot for {section.title}: the benchmark failed")
+            continue
+        path = plot_ratios(section, out)
+        if path is None:
+            skipped.append(f"no ratio plot for {section.title}: no row has a ratio")
+        else:
+            plots.append(path)
+    path = plot_lock_peers(sections, out)
+    if path is None:
+        skipped.append("no lock-peers plot: no lock-cycle rows (the primitives benchmark did not run)")
+    else:
+        plots.append(path)
+    path = plot_latencies(sections, out)
+    if path is None:
+        skipped.append("no latency plot: no latency rows")
+    else:
+        plots.append(path)
+    skipped.append(
+        "no latency histograms: the benchmarks keep percentiles (p50/p95/p99/max), not raw samples,"
+        " in their Results; the latency plot shows those percentiles"
+    )
+    return plots, skipped
+
+
+def write_report(sections: Sequence[Section], out: Path, machine: Machine | None = None) -> Path:
+    """Write out/report.md and the PNGs beside it (matplotlib needed: ImportError says what to install)."""
+    out.mkdir(parents=True, exist_ok=True)
+    plots, skipped = render_plots(sections, out)
+    report = out / "report.md"
+    report.write_text(render_markdown(machine or machine_info(), sections, plots, skipped) + "\n")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter fan-out and primitives runs (noisier figures)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    try:
+        _matplotlib()  # fail before minutes of benchmarks, not after
+    except ImportError as exc:
+        print(f"report.py: {exc}", file=sys.stderr)
+        return 2
+    machine = machine_info()
+    sections = run_all(args.quick)
+    report = write_report(sections, args.out, machine)
+    print(f"\nwrote {report} and its plots")
+    failed = [s.name for s in sections if s.results is None]
+    if failed:
+        print(f"benchmarks failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

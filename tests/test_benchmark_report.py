@@ -1,0 +1,137 @@
+"""The benchmark report's rendering (tests/benchmarks/report.py), on Results of the real benchmark classes.
+
+The benchmarks themselves run on demand only; here the Results are filled
+through the benchmarks' own methods (``add``, ``compare``, ``note``) with
+figures of the shapes they print, and the report is written to tmp_path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent / "benchmarks"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _load_report():
+    spec = importlib.util.spec_from_file_location("pgbroker_bench_report", BENCH / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _load_report()
+
+
+@pytest.fixture(scope="module")
+def sections(report):
+    lease_mod, fanout_mod, prim_mod = _bench("bench_lease"), _bench("bench_fanout"), _bench("bench_primitives")
+
+    lease = lease_mod.Results()
+    lease.add("claim+release cycles/s (psycopg)", "620/s (1.61 ms)", "1,587/s (0.63 ms)", "2.55x", "<= 1.3x MISSED")
+    lease.add("takeover after SIGKILL p50 (n=30)", "4.4 ms", "3.6 ms", "1.22x", "")
+    lease.add("takeover after SIGKILL p95 (n=30)", "6.7 ms", "4.7 ms", "1.43x", "< 50 ms ok")
+    lease.figures.update(takeover_p50_ms=4.4, takeover_p95_ms=6.7, seconds=60.0)
+
+    fanout = fanout_mod.Results()
+    fanout.add("UPDATE tps, 1 writer (pgbench)", "2,365 tps", "3,172 tps", "0.75x", ">= 0.75x ok")
+    fanout.add("  CPU per transaction (server + broker), 1 writer", "396 us", "183 us", "2.16x", "<= 1.5x MISSED")
+    fanout.add("  broker backend CPU per delivered row, 1 writer", "80.7 us", "", "", "<= 12 us MISSED")
+    fanout.add("  NOTIFYs received while draining, 1 writer", "12 (1.2/s)", "~4,000 txns", "0.0030/txn", "<< 1/txn")
+    fanout.add("commit-to-handler latency p99 (n=250)", "3.10 ms", "1.20 ms", "2.58x", "< 10 ms ok")
+    fanout.add("single-row UPDATE p50, 10k vs 100 clients", "0.410 ms", "0.400 ms", "1.02x", "~1x (<= 1.2x) ok")
+    fanout.note("a note | with a pipe")
+
+    prim = prim_mod.Results()
+    floor = prim_mod.Rate(ops=10_000, seconds=2.0, cpu=0.8)
+    ours = prim_mod.Rate(ops=8_000, seconds=2.0, cpu=0.9)
+    peer = prim_mod.Rate(ops=5_000, seconds=2.0, cpu=1.1)
+    for procs in (1, 8):
+        prim.compare(f"lock acquire+release, Python Lock, {procs} proc", ours, floor, 0.8, f"py_lock_{procs}")
+        prim.compare(f"lock acquire+release, SQL functions, {procs} proc", ours, floor, 0.8, f"lock_{procs}")
+        prim.compare(f"peer pals, lock cycles, {procs} proc", peer, floor, None, f"pals_{procs}")
+    prim.add(
+        "release -> next waiter, LISTEN + retry (n=40)",
+        "p50 1.20 ms, p99 3.40 ms",
+        "p50 0.80 ms, p99 2.00 ms",
+        "1.7x",
+        "p99 < 10 ms ok",
+    )
+    prim.notes.append("tooz (pgsql driver) skipped: No module named 'tooz'")
+
+    return [
+        report.Section("lease", "Broker lease (bench_lease.py)", lease, settings="full", seconds=60),
+        report.Section("fanout", "Fan-out (bench_fanout.py)", fanout, settings="--quick", seconds=90),
+        report.Section("primitives", "Primitives and peers (bench_primitives.py)", prim, settings="--quick"),
+        report.Section("broken", "A benchmark that failed", None, error="Traceback ...\nRuntimeError: boom"),
+    ]
+
+
+def test_markdown_has_every_row_and_the_machine(report, sections, tmp_path):
+    machine = report.machine_info()
+    assert machine.cpus >= 1 and machine.cpu_model
+    text = report.render_markdown(machine, sections, [], [])
+    for section in sections:
+        assert f"## {section.title}" in text
+        for metric, ours, _floor, ratio, target in section.results.rows if section.results else []:
+            line = next((ln for ln in text.splitlines() if metric.strip().replace("|", "\\|") in ln), None)
+            assert line is not None, metric
+            assert ours in line and ratio in line and target in line
+            assert line.startswith("| ") and line.count(" | ") == 4, line
+    assert "a note \\| with a pipe" not in text  # notes are list items, not table cells
+    assert "- note: a note | with a pipe" in text
+    assert "RuntimeError: boom" in text
+    assert f"{machine.cpus} CPUs" in text and "PostgreSQL" in text
+    assert "targets missed: claim+release cycles/s (psycopg)" in text
+
+
+def test_ratio_rows_parse_the_printed_ratio_and_target(report, sections):
+    rows = report.ratio_rows(sections[1].results.rows)
+    by_metric = {r[0]: r for r in rows}
+    assert by_metric["UPDATE tps, 1 writer (pgbench)"][1:] == (0.75, 0.75, ">=", "ok")
+    assert by_metric["CPU per transaction (server + broker), 1 writer"][1:] == (2.16, 1.5, "<=", "MISSED")
+    assert by_metric["commit-to-handler latency p99 (n=250)"][2] is None  # a target in ms is not a ratio
+    assert "broker backend CPU per delivered row, 1 writer" not in by_metric  # no ratio
+    assert "NOTIFYs received while draining, 1 writer" not in by_metric  # per txn, not a ratio to a floor
+
+
+def test_report_writes_markdown_and_valid_pngs(report, sections, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib absent: python3 -m pip install -e '.[bench]'")
+    path = report.write_report(sections, tmp_path / "out")
+    text = path.read_text()
+    pngs = sorted((tmp_path / "out").glob("*.png"))
+    names = {p.name for p in pngs}
+    assert names == {"ratios_lease.png", "ratios_fanout.png", "ratios_primitives.png", "lock_peers.png",
+                     "latencies.png"}  # fmt: skip
+    for png in pngs:
+        data = png.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 1000, png
+        assert f"]({png.name})" in text
+    assert "no ratio plot for A benchmark that failed: the benchmark failed" in text
+    assert "no latency histograms" in text
+    for section in sections[:3]:
+        for metric, *_ in section.results.rows:
+            assert metric.strip().replace("|", "\\|") in text
+    lat = {label: (a, b) for label, a, b in report.latency_rows(sections)}
+    assert lat["takeover after SIGKILL p95 (n=30)"] == (6.7, 4.7)
+    assert lat["release -> next waiter, LISTEN + retry (n=40) p99"] == (3.4, 2.0)
+
+
+def test_missing_matplotlib_says_what_to_install(report, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[bench\]'"):
+        report._matplotlib()
