@@ -96,7 +96,7 @@ def test_markdown_has_every_row_and_the_machine(report, sections, tmp_path):
     assert "- note: a note | with a pipe" in text
     assert "RuntimeError: boom" in text
     assert f"{machine.cpus} CPUs" in text and "PostgreSQL" in text
-    assert "targets missed: claim+release cycles/s (psycopg)" in text
+    assert "targets missed: claim+release cycles/s (psycopg)." in text
 
 
 def test_ratio_rows_parse_the_printed_ratio_and_target(report, sections):

@@ -212,7 +212,7 @@ def render_markdown(
         missed = [r[0].strip() for r in section.results.rows if r[4].rstrip().endswith("MISSED")]
         out += [
             f"{footers.get(section.name, '')} Run: {section.settings}, {section.seconds:.0f} s;"
-            f" targets missed: {', '.join(missed) or 'none'}.",
+            f" targets missed: {'; '.join(missed) or 'none'}.",
             "",
         ]
         out += [f"- note: {n}" for n in section.notes]
@@ -243,6 +243,11 @@ def _matplotlib() -> Any:
     return plt
 
 
+def _leading_digit(v: float) -> str:
+    """'2' for 0.2, 2 and 20: which minor ticks of a log axis get a label."""
+    return f"{v:g}".lstrip("0.")[:1]
+
+
 def ratio_rows(rows: Sequence[tuple[str, str, str, str, str]]) -> list[tuple[str, float, float | None, str, str]]:
     """Each row with an 'Nx' ratio: (metric, ratio, target ratio or None, '<=' / '>=' or '', verdict)."""
     found = []
@@ -267,21 +272,34 @@ def plot_ratios(section: Section, out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(11, 0.9 + 0.34 * len(data)))
     ys = list(range(len(data)))[::-1]
     # Green / red only where the target is a ratio: a target in ms or per row is not what the bar shows.
-    ax.barh(ys, [d[1] for d in data], color=[colours[d[4] if d[2] is not None else ""] for d in data], height=0.65)
+    ratios = [d[1] for d in data]
+    # Bars grow from the floor (1) on a log scale: below the floor to the left, above to the right, and an
+    # outlier (a latency ratio of 100x) leaves the rows near 1 readable.
+    ax.barh(ys, [r - 1 for r in ratios], left=1, height=0.65,
+            color=[colours[d[4] if d[2] is not None else ""] for d in data])  # fmt: skip
     for y, (_metric, ratio, target, direction, _verdict) in zip(ys, data, strict=True):
-        ax.text(ratio, y, f" {ratio:.2f}x", va="center", fontsize=7)
+        ax.text(ratio, y, f" {ratio:.2f}x " if ratio >= 1 else f" {ratio:.2f}x ", va="center", fontsize=7,
+                ha="left" if ratio >= 1 else "right")  # fmt: skip
         if target is not None:
             ax.plot([target, target], [y - 0.4, y + 0.4], color="black", linewidth=2)
             ax.text(target, y + 0.42, f"{direction} {target:g}x", ha="center", va="bottom", fontsize=6)
-    ax.axvline(1.0, color="black", linestyle=":", linewidth=1)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}x"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: f"{v:g}x" if _leading_digit(v) in "25" else ""))
+    ax.tick_params(axis="x", which="minor", labelsize=7)
     ax.set_yticks(ys)
     ax.set_yticklabels([d[0] for d in data], fontsize=7)
     ax.set_xlabel(
-        "ratio to the floor of the same run, as printed (1 = the floor; black tick: a ratio target,"
+        "ratio to the floor of the same run, as printed (log scale, 1x = the floor; black tick: a ratio target,"
         " green met, red missed; grey: no ratio target)"
     )
     ax.set_title(section.title, fontsize=10)
-    ax.set_xlim(0, max(max(d[1] for d in data), max((d[2] or 0) for d in data), 1.0) * 1.18)
+    low = min([*ratios, *(d[2] for d in data if d[2] is not None), 1.0])
+    high = max([*ratios, *(d[2] for d in data if d[2] is not None), 1.0])
+    ax.set_xlim(low / 1.6, high * 1.6)
     fig.tight_layout()
     path = out / f"ratios_{section.name}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -357,7 +375,7 @@ def plot_latencies(sections: Sequence[Section], out: Path) -> Path | None:
     from matplotlib.ticker import FuncFormatter
 
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: f"{v:g}" if str(v)[0] in "25" else ""))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: f"{v:g}" if _leading_digit(v) in "25" else ""))
     ax.set_yticks(ys)
     ax.set_yticklabels([d[0] for d in data], fontsize=7)
     ax.set_xlabel("milliseconds (log scale); percentiles as the benchmarks report them")
