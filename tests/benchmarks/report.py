@@ -5,7 +5,7 @@
 
 Runs bench_lease, bench_fanout and bench_primitives in this order (never two
 at once: each starts its own PostgreSQL and measures against floors of its own
-run), then writes into DIR (default ``docs/benchmarks/``):
+run), then writes into DIR (default ``tests/benchmarks/results/``):
 
 - ``report.md``: the machine (CPU model and count, PostgreSQL version, date),
   then one table per benchmark with its rows as the benchmark prints them and
@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-DEFAULT_OUT = REPO / "docs" / "benchmarks"
+DEFAULT_OUT = REPO / "tests" / "benchmarks" / "results"
 INSTALL_HINT = "matplotlib is needed for the plots: python3 -m pip install -e '.[bench]' (or: pip install matplotlib)"
 
 RATIO_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)x\s*$")
