@@ -130,3 +130,18 @@ def test_nothing_is_written_for_a_broker_whose_session_is_gone(connect):
     successor = connect("successor")
     claim(successor)
     assert drain(successor) == []
+
+
+def test_nothing_is_written_for_a_ttl_lease(connect):
+    # A TTL lease has no session that could fetch: its interest costs writers nothing either.
+    admin, worker, writer = connect("admin"), connect("worker"), connect("writer")
+    seed_objects(admin, [1])
+    epoch = worker.execute("SELECT pgbroker.broker_claim('ttl', owner => 'w', ttl => '30 s')").fetchone()[0]
+    assert worker.execute("SELECT pgbroker.client_register('c', '{}', 'ttl', %s)", (epoch,)).fetchone()[0] is True
+    assert (
+        worker.execute("SELECT pgbroker.subscribe('c', 'initech.objects', '1', 'ttl', %s)", (epoch,)).fetchone()[0]
+        is True
+    )
+    assert count(admin, "SELECT count(*) FROM pgbroker.interest WHERE name = 'ttl'") == 1
+    writer.execute("UPDATE initech.objects SET name = 'x' WHERE id = 1")
+    assert count(admin, "SELECT count(*) FROM pgbroker.outbox") == 0
