@@ -19,7 +19,7 @@ CREATE UNLOGGED TABLE pgbroker.outbox (
     op "char" NOT NULL,
     row_key jsonb,
     changed text[],
-    clients bigint[],
+    clients text[],
     at timestamptz NOT NULL DEFAULT pg_catalog.statement_timestamp()
 );
 CREATE INDEX outbox_name_id ON pgbroker.outbox (name, id);
@@ -38,7 +38,7 @@ COMMENT ON COLUMN pgbroker.outbox.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.outbox.op IS 'I insert, U update, D delete, T truncate.';
 COMMENT ON COLUMN pgbroker.outbox.row_key IS 'Key of the changed row (NULL for T).';
 COMMENT ON COLUMN pgbroker.outbox.changed IS 'For U: the names of the columns whose value changed; NULL otherwise.';
-COMMENT ON COLUMN pgbroker.outbox.clients IS 'client_keys of the clients to tell; NULL: whoever is subscribed when the row is fetched (see 600_triggers.sql).';
+COMMENT ON COLUMN pgbroker.outbox.clients IS 'client_ids of the clients to tell; NULL: whoever is subscribed when the row is fetched (see 600_triggers.sql).';
 COMMENT ON COLUMN pgbroker.outbox.at IS 'Start of the statement that made the change.';
 
 -- ---------------------------------------------------------------------------
@@ -224,7 +224,11 @@ COMMENT ON FUNCTION pgbroker._outbox_floor(text, bigint, boolean) IS
 
 -- Planned once per session: the broker calls it in a loop with the same
 -- shapes of arguments, and re-planning cost more than the fetch itself (a
--- one-row fetch: 224 µs re-planned, 85 µs with the generic plan).
+-- one-row fetch: 224 µs re-planned, 85 µs with the generic plan).  The rows
+-- carry client ids as the triggers wrote them, so nothing is looked up per
+-- row; the rare rows written while a subscribe was under way (clients NULL)
+-- are resolved here, and rows left with nobody to tell are deleted, not
+-- returned.
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
@@ -247,31 +251,39 @@ BEGIN
         DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.id = ANY (outbox_fetch.ack);
     END IF;
     RETURN QUERY
-    SELECT o.id, w.relid::regclass::text, o.op::text, o.row_key, o.changed,
-           -- One index probe per client (a join would be planned as a hash
-           -- join over the whole client table, for every row); clients
-           -- unregistered since the change are left out.
-           array_remove(ARRAY(SELECT (SELECT c.client_id FROM pgbroker.client c WHERE c.client_key = u.k)
-                                FROM unnest(coalesce(o.clients, ARRAY(
-                                         -- Written while a subscribe was under way: whoever is subscribed now.
-                                         SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
-                                          WHERE i.watch_id = o.watch_id AND i.name = v_name AND i.epoch = v_epoch
-                                            AND (o.op = 'T' OR i.row_key IN (o.row_key, 'null'::jsonb))
-                                          ORDER BY 1)))
-                                     WITH ORDINALITY AS u(k, n) ORDER BY u.n), NULL),
-           o.at
-      FROM (SELECT * FROM pgbroker.outbox b
-             WHERE b.name = v_name AND b.epoch = v_epoch AND b.id > v_floor
-             ORDER BY b.id
-             LIMIT outbox_fetch.max_rows
-               FOR UPDATE SKIP LOCKED) o
-      JOIN pgbroker.watched w ON w.watch_id = o.watch_id
-     ORDER BY o.id;
+    WITH batch AS MATERIALIZED (
+        SELECT b.id, b.watch_id, b.op, b.row_key, b.changed, b.clients, b.at
+          FROM pgbroker.outbox b
+         WHERE b.name = v_name AND b.epoch = v_epoch AND b.id > v_floor
+         ORDER BY b.id
+         LIMIT outbox_fetch.max_rows
+           FOR UPDATE SKIP LOCKED
+    ), resolved AS MATERIALIZED (
+        SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.at,
+               coalesce(o.clients, ARRAY(
+                   -- Written while a subscribe was under way: whoever is subscribed now.
+                   SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                    WHERE i.watch_id = o.watch_id AND i.name = v_name AND i.epoch = v_epoch
+                      AND (o.op = 'T' OR i.row_key IN (o.row_key, 'null'::jsonb))
+                    ORDER BY 1)) AS clients
+          FROM batch o
+    ), nobody AS (
+        DELETE FROM pgbroker.outbox d
+         WHERE d.id = ANY (ARRAY(SELECT r.id FROM resolved r WHERE cardinality(r.clients) = 0))
+    ), tables AS MATERIALIZED (
+        SELECT w.watch_id, w.relid::regclass::text AS table_name FROM pgbroker.watched w
+    )
+    SELECT r.id, t.table_name, r.op::text, r.row_key, r.changed, r.clients, r.at
+      FROM resolved r
+      JOIN tables t ON t.watch_id = r.watch_id
+     WHERE cardinality(r.clients) > 0
+     ORDER BY r.id;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.outbox_fetch(text, integer, bigint[]) IS
 $$Holder only: up to MAX_ROWS pending notifications of lease NAME, oldest first (for any one row: in commit order).
-Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell), at.
+Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell, in
+subscription order; never empty), at.
 Rows stay until acknowledged, by outbox_ack() or by passing their ids as ACK to the next outbox_fetch() (one round
 trip less): at-least-once delivery within the epoch.$$;
 
@@ -293,6 +305,33 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.outbox_ack(text, bigint[]) IS
     'Holder only: acknowledge (delete) delivered notifications IDS of lease NAME; returns how many.';
+
+-- ---------------------------------------------------------------------------
+-- An unregistered client is struck from the notifications still pending for
+-- it (rows left with nobody are then dropped by the next fetch).  A writer
+-- transaction that read the interest before the unregister committed may
+-- still name it: a broker ignores ids it no longer knows.
+CREATE FUNCTION pgbroker._outbox_forget_client()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- (Clients of an earlier epoch go with its whole outbox: _500_clear_outbox.)
+    IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
+        UPDATE pgbroker.outbox o SET clients = array_remove(o.clients, OLD.client_id)
+         WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients @> ARRAY[OLD.client_id];
+    END IF;
+    RETURN OLD;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._outbox_forget_client() IS
+    'Internal (trigger): strike an unregistered client from its broker''s pending notifications.';
+
+CREATE TRIGGER _500_forget_client
+BEFORE DELETE ON pgbroker.client
+FOR EACH ROW EXECUTE FUNCTION pgbroker._outbox_forget_client();
+COMMENT ON TRIGGER _500_forget_client ON pgbroker.client IS 'An unregistered client is struck from the notifications pending for it.';
 
 -- ---------------------------------------------------------------------------
 -- A new epoch deletes the notifications pending for earlier ones.

@@ -112,7 +112,7 @@ def raw_outbox(conn: psycopg.Connection) -> list[tuple]:
     return conn.execute(
         """
         SELECT o.name, o.epoch, o.op::text, o.row_key, o.changed,
-               ARRAY(SELECT c.client_id FROM unnest(o.clients) k JOIN pgbroker.client c ON c.client_key = k ORDER BY 1)
+               ARRAY(SELECT k FROM unnest(o.clients) k ORDER BY 1)
           FROM pgbroker.outbox o ORDER BY o.id
         """
     ).fetchall()

@@ -62,6 +62,8 @@ DROP FUNCTION pgbroker._watch_merged_template();
 DROP FUNCTION pgbroker._watch_bulk_template();
 DROP FUNCTION pgbroker._watch_fanout_template();
 DROP TRIGGER _500_clear_outbox ON pgbroker.lease;
+DROP TRIGGER _500_forget_client ON pgbroker.client;
+DROP FUNCTION pgbroker._outbox_forget_client();
 DROP FUNCTION pgbroker.outbox_ack(text, bigint[]);
 DROP FUNCTION pgbroker.outbox_fetch(text, integer, bigint[]);
 DROP FUNCTION pgbroker._outbox_floor(text, bigint, boolean);

@@ -1458,8 +1458,9 @@ COMMENT ON FUNCTION pgbroker._encode_key(pgbroker.watched, jsonb) IS
 -- A client subscribes to one row of a watched table (by key) or to the whole
 -- table.  pgbroker.subscription holds one row per (client, table, key);
 -- pgbroker.interest aggregates them per (table, key, broker) into the array of
--- client keys that the triggers (600_triggers.sql) copy into the outbox, so a
--- changed row costs one index probe whatever the number of its subscribers.
+-- client ids that the triggers (600_triggers.sql) copy into the outbox, so a
+-- changed row costs one index probe whatever the number of its subscribers,
+-- and the broker's fetch hands the ids over without looking anything up.
 --
 -- No gap, and no writer ever waits for a subscriber: writers' triggers
 -- try-lock the table's watch lock shared (never queueing) and hold it to
@@ -1492,17 +1493,19 @@ CREATE TABLE pgbroker.interest (
     -- The broker's lease lock_key, so that the triggers test whether it is
     -- alive and wake it without looking its lease up.
     lock_key integer NOT NULL,
-    clients bigint[] NOT NULL,
+    -- client_ids, not client_keys: what the broker needs, copied as is into
+    -- the outbox (a lookup per client at fetch time cost the broker ~3 µs each).
+    clients text[] NOT NULL,
     PRIMARY KEY (watch_id, row_key, name)
 );
 CREATE INDEX interest_name ON pgbroker.interest (name);
-COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_keys per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
+COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_ids per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
 COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
 COMMENT ON COLUMN pgbroker.interest.name IS 'The broker (lease name) of these clients.';
 COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch.';
 COMMENT ON COLUMN pgbroker.interest.lock_key IS 'Its lease''s lock_key (liveness test and wake-up channel of the triggers).';
-COMMENT ON COLUMN pgbroker.interest.clients IS 'client_keys of the subscribed clients.';
+COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed clients, in subscription order.';
 
 -- ---------------------------------------------------------------------------
 -- Subscriptions.
@@ -1514,10 +1517,12 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_name text := (SELECT c.name FROM pgbroker.client c WHERE c.client_key = p_client);
+    v_name text;
+    v_client_id text;
     v_watch_ids integer[];
     v_row_keys jsonb[];
 BEGIN
+    SELECT c.name, c.client_id INTO v_name, v_client_id FROM pgbroker.client c WHERE c.client_key = p_client;
     WITH mine AS (
         DELETE FROM pgbroker.subscription s
          WHERE s.client_key = p_client
@@ -1525,7 +1530,7 @@ BEGIN
         RETURNING s.watch_id, s.row_key
     ), shrunk AS (
         UPDATE pgbroker.interest i
-           SET clients = array_remove(i.clients, p_client)
+           SET clients = array_remove(i.clients, v_client_id)
           FROM mine m
          WHERE i.watch_id = m.watch_id AND i.row_key = m.row_key AND i.name = v_name
         RETURNING i.watch_id, i.row_key, i.clients
@@ -1587,8 +1592,8 @@ BEGIN
     END IF;
     INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
     VALUES (v_watch.watch_id, v_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
-            ARRAY[v_client])
-    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || v_client, epoch = excluded.epoch;
+            ARRAY[subscribe.client_id])
+    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || subscribe.client_id, epoch = excluded.epoch;
     RETURN true;
 END
 $$;
@@ -1680,7 +1685,7 @@ CREATE UNLOGGED TABLE pgbroker.outbox (
     op "char" NOT NULL,
     row_key jsonb,
     changed text[],
-    clients bigint[],
+    clients text[],
     at timestamptz NOT NULL DEFAULT pg_catalog.statement_timestamp()
 );
 CREATE INDEX outbox_name_id ON pgbroker.outbox (name, id);
@@ -1699,7 +1704,7 @@ COMMENT ON COLUMN pgbroker.outbox.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.outbox.op IS 'I insert, U update, D delete, T truncate.';
 COMMENT ON COLUMN pgbroker.outbox.row_key IS 'Key of the changed row (NULL for T).';
 COMMENT ON COLUMN pgbroker.outbox.changed IS 'For U: the names of the columns whose value changed; NULL otherwise.';
-COMMENT ON COLUMN pgbroker.outbox.clients IS 'client_keys of the clients to tell; NULL: whoever is subscribed when the row is fetched (see 600_triggers.sql).';
+COMMENT ON COLUMN pgbroker.outbox.clients IS 'client_ids of the clients to tell; NULL: whoever is subscribed when the row is fetched (see 600_triggers.sql).';
 COMMENT ON COLUMN pgbroker.outbox.at IS 'Start of the statement that made the change.';
 
 -- ---------------------------------------------------------------------------
@@ -1885,7 +1890,11 @@ COMMENT ON FUNCTION pgbroker._outbox_floor(text, bigint, boolean) IS
 
 -- Planned once per session: the broker calls it in a loop with the same
 -- shapes of arguments, and re-planning cost more than the fetch itself (a
--- one-row fetch: 224 µs re-planned, 85 µs with the generic plan).
+-- one-row fetch: 224 µs re-planned, 85 µs with the generic plan).  The rows
+-- carry client ids as the triggers wrote them, so nothing is looked up per
+-- row; the rare rows written while a subscribe was under way (clients NULL)
+-- are resolved here, and rows left with nobody to tell are deleted, not
+-- returned.
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
@@ -1908,31 +1917,39 @@ BEGIN
         DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.id = ANY (outbox_fetch.ack);
     END IF;
     RETURN QUERY
-    SELECT o.id, w.relid::regclass::text, o.op::text, o.row_key, o.changed,
-           -- One index probe per client (a join would be planned as a hash
-           -- join over the whole client table, for every row); clients
-           -- unregistered since the change are left out.
-           array_remove(ARRAY(SELECT (SELECT c.client_id FROM pgbroker.client c WHERE c.client_key = u.k)
-                                FROM unnest(coalesce(o.clients, ARRAY(
-                                         -- Written while a subscribe was under way: whoever is subscribed now.
-                                         SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
-                                          WHERE i.watch_id = o.watch_id AND i.name = v_name AND i.epoch = v_epoch
-                                            AND (o.op = 'T' OR i.row_key IN (o.row_key, 'null'::jsonb))
-                                          ORDER BY 1)))
-                                     WITH ORDINALITY AS u(k, n) ORDER BY u.n), NULL),
-           o.at
-      FROM (SELECT * FROM pgbroker.outbox b
-             WHERE b.name = v_name AND b.epoch = v_epoch AND b.id > v_floor
-             ORDER BY b.id
-             LIMIT outbox_fetch.max_rows
-               FOR UPDATE SKIP LOCKED) o
-      JOIN pgbroker.watched w ON w.watch_id = o.watch_id
-     ORDER BY o.id;
+    WITH batch AS MATERIALIZED (
+        SELECT b.id, b.watch_id, b.op, b.row_key, b.changed, b.clients, b.at
+          FROM pgbroker.outbox b
+         WHERE b.name = v_name AND b.epoch = v_epoch AND b.id > v_floor
+         ORDER BY b.id
+         LIMIT outbox_fetch.max_rows
+           FOR UPDATE SKIP LOCKED
+    ), resolved AS MATERIALIZED (
+        SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.at,
+               coalesce(o.clients, ARRAY(
+                   -- Written while a subscribe was under way: whoever is subscribed now.
+                   SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                    WHERE i.watch_id = o.watch_id AND i.name = v_name AND i.epoch = v_epoch
+                      AND (o.op = 'T' OR i.row_key IN (o.row_key, 'null'::jsonb))
+                    ORDER BY 1)) AS clients
+          FROM batch o
+    ), nobody AS (
+        DELETE FROM pgbroker.outbox d
+         WHERE d.id = ANY (ARRAY(SELECT r.id FROM resolved r WHERE cardinality(r.clients) = 0))
+    ), tables AS MATERIALIZED (
+        SELECT w.watch_id, w.relid::regclass::text AS table_name FROM pgbroker.watched w
+    )
+    SELECT r.id, t.table_name, r.op::text, r.row_key, r.changed, r.clients, r.at
+      FROM resolved r
+      JOIN tables t ON t.watch_id = r.watch_id
+     WHERE cardinality(r.clients) > 0
+     ORDER BY r.id;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.outbox_fetch(text, integer, bigint[]) IS
 $$Holder only: up to MAX_ROWS pending notifications of lease NAME, oldest first (for any one row: in commit order).
-Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell), at.
+Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell, in
+subscription order; never empty), at.
 Rows stay until acknowledged, by outbox_ack() or by passing their ids as ACK to the next outbox_fetch() (one round
 trip less): at-least-once delivery within the epoch.$$;
 
@@ -1954,6 +1971,33 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.outbox_ack(text, bigint[]) IS
     'Holder only: acknowledge (delete) delivered notifications IDS of lease NAME; returns how many.';
+
+-- ---------------------------------------------------------------------------
+-- An unregistered client is struck from the notifications still pending for
+-- it (rows left with nobody are then dropped by the next fetch).  A writer
+-- transaction that read the interest before the unregister committed may
+-- still name it: a broker ignores ids it no longer knows.
+CREATE FUNCTION pgbroker._outbox_forget_client()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- (Clients of an earlier epoch go with its whole outbox: _500_clear_outbox.)
+    IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
+        UPDATE pgbroker.outbox o SET clients = array_remove(o.clients, OLD.client_id)
+         WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients @> ARRAY[OLD.client_id];
+    END IF;
+    RETURN OLD;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._outbox_forget_client() IS
+    'Internal (trigger): strike an unregistered client from its broker''s pending notifications.';
+
+CREATE TRIGGER _500_forget_client
+BEFORE DELETE ON pgbroker.client
+FOR EACH ROW EXECUTE FUNCTION pgbroker._outbox_forget_client();
+COMMENT ON TRIGGER _500_forget_client ON pgbroker.client IS 'An unregistered client is struck from the notifications pending for it.';
 
 -- ---------------------------------------------------------------------------
 -- A new epoch deletes the notifications pending for earlier ones.
