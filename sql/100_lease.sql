@@ -38,7 +38,6 @@ COMMENT ON FUNCTION pgbroker._lock_class_alive() IS
 CREATE FUNCTION pgbroker._my_backend_start()
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_pid text := pg_backend_pid()::text;
@@ -200,7 +199,6 @@ COMMENT ON COLUMN pgbroker.state.updated_at IS 'When it was last set.';
 CREATE FUNCTION pgbroker._check_name(p_name text)
 RETURNS text
 LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF p_name IS NULL THEN
@@ -981,7 +979,6 @@ Any pgbroker role may ask; it sees other users' sessions, which pg_stat_activity
 CREATE FUNCTION pgbroker._holder_epoch(p_name text)
 RETURNS bigint
 LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_epoch bigint;

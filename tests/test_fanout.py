@@ -638,24 +638,6 @@ def test_at_least_once_fetch_without_ack_returns_rows_again(connect):
     assert broker.execute("SELECT count(*) FROM pgbroker.outbox_pending").fetchone() == (0,)
 
 
-def test_fetch_skips_rows_locked_by_another_fetch(connect):
-    broker = connect("broker", autocommit=False)
-    writer = connect("writer")
-    claim(broker)
-    broker.commit()
-    seed_objects(writer, range(1, 5))
-    register(broker, "c")
-    subscribe(broker, "c")
-    broker.commit()
-    writer.execute("UPDATE initech.objects SET name = 'x'")
-    first = fetch(broker, max_rows=2)  # rows stay locked: the transaction is open
-    other = connect("helper")
-    # Another session holding the same rows' locks is skipped (FOR UPDATE SKIP LOCKED).
-    free = [r[0] for r in other.execute("SELECT id FROM pgbroker.outbox ORDER BY id FOR UPDATE SKIP LOCKED")]
-    assert len(free) == 2 and not set(free) & {r["id"] for r in first}
-    broker.rollback()
-
-
 def test_per_object_commit_order(connect):
     broker, w1 = connect("broker"), connect("w1", autocommit=False)
     w2 = connect("w2", autocommit=False)

@@ -66,6 +66,7 @@ DROP TRIGGER _500_forget_client ON pgbroker.client;
 DROP FUNCTION pgbroker._outbox_forget_client();
 DROP FUNCTION pgbroker.outbox_ack(text, bigint[]);
 DROP FUNCTION pgbroker.outbox_fetch(text, integer, bigint[]);
+DROP FUNCTION pgbroker._outbox_resolve(text, bigint);
 DROP FUNCTION pgbroker._outbox_floor(text, bigint, boolean);
 DROP FUNCTION pgbroker.broker_sleep(text, interval);
 DROP FUNCTION pgbroker.broker_wake(text);
