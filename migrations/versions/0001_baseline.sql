@@ -2098,7 +2098,8 @@ AS $template$ SELECT $t$
           FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, {{changed_late}} AS changed
                   FROM ({{keyed}} OFFSET 0) k
                   JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
-                  JOIN live ON live.name = i.name) z
+                  JOIN live ON live.name = i.name
+                OFFSET 0) z  -- compared after the join: only subscribed rows' columns
          WHERE z.op <> 'U' OR cardinality(z.changed) > 0$t$
 $template$;
 COMMENT ON FUNCTION pgbroker._watch_bulk_template() IS

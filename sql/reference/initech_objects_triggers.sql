@@ -120,7 +120,8 @@ BEGIN
           FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, NULL::text[] AS changed
                   FROM (SELECT ''I''::"char" AS op, to_jsonb(n.id) AS row_key FROM pgbroker_new n OFFSET 0) k
                   JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
-                  JOIN live ON live.name = i.name) z
+                  JOIN live ON live.name = i.name
+                OFFSET 0) z  -- compared after the join: only subscribed rows'' columns
          WHERE z.op <> ''U'' OR cardinality(z.changed) > 0';
             END IF;
             PERFORM set_config('jit', v_jit, true);
@@ -283,7 +284,8 @@ BEGIN
                      CASE WHEN n.id IS NULL THEN to_jsonb(o.id) ELSE to_jsonb(n.id) END AS row_key, n, o
                 FROM pgbroker_new n FULL JOIN pgbroker_old o ON n.id = o.id OFFSET 0) k
                   JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
-                  JOIN live ON live.name = i.name) z
+                  JOIN live ON live.name = i.name
+                OFFSET 0) z  -- compared after the join: only subscribed rows'' columns
          WHERE z.op <> ''U'' OR cardinality(z.changed) > 0';
             END IF;
             PERFORM set_config('jit', v_jit, true);
@@ -439,7 +441,8 @@ BEGIN
           FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, NULL::text[] AS changed
                   FROM (SELECT ''D''::"char" AS op, to_jsonb(o.id) AS row_key FROM pgbroker_old o OFFSET 0) k
                   JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
-                  JOIN live ON live.name = i.name) z
+                  JOIN live ON live.name = i.name
+                OFFSET 0) z  -- compared after the join: only subscribed rows'' columns
          WHERE z.op <> ''U'' OR cardinality(z.changed) > 0';
             END IF;
             PERFORM set_config('jit', v_jit, true);

@@ -86,6 +86,9 @@ LATENCY_P99_TARGET_MS = 10.0
 SCALE_TARGET = 1.2  # "about 1x": the large set-up may cost at most this much more
 
 
+PARTS = ("throughput", "bulk", "huge", "latency", "scale")
+
+
 @dataclass
 class Settings:
     tps_seconds: float = 5.0  # per pgbench run
@@ -98,6 +101,10 @@ class Settings:
     scale_rounds: int = 4  # alternating watched / unwatched pgbench runs per phase (the tps form is noisy)
     scale_statements: int = 1000
     explain: bool = False
+    only: tuple[str, ...] = ()  # parts to run (all when empty): throughput, bulk, huge, latency, scale
+
+    def runs(self, part: str) -> bool:
+        return not self.only or part in self.only
 
     @classmethod
     def quick(cls) -> Settings:
@@ -537,7 +544,7 @@ def bench_bulk(conn: psycopg.Connection, broker: DrainingBroker, watch_ids: dict
     floor_sql = (
         "INSERT INTO bench.floor_outbox (name, epoch, watch_id, op, row_key, changed, clients)"
         f" SELECT '{BROKER}', {broker.epoch}, {watch_ids['bench.bulk_dense']}, 'U', to_jsonb(b.id), ARRAY['val'],"
-        " ARRAY[mod(b.id, 1000) + 1]::bigint[] FROM bench.bulk_plain b"
+        " ARRAY['c' || mod(b.id, 1000)] FROM bench.bulk_plain b"
     )
     variants = {
         "plain": ("UPDATE bench.bulk_plain SET val = val + 1", "bench.bulk_plain", 0),
@@ -1040,15 +1047,20 @@ def run(cfg: Settings) -> Results:
                 results.note(text)
             broker.start()
             try:
-                bench_throughput(conn, broker, pgbench, cfg, results)
-                bench_bulk(conn, broker, watch_ids, cfg, results)
-                bench_huge(conn, broker, cfg, results)
-                bench_latency(url, conn, broker, cfg, results)
+                if cfg.runs("throughput"):
+                    bench_throughput(conn, broker, pgbench, cfg, results)
+                if cfg.runs("bulk"):
+                    bench_bulk(conn, broker, watch_ids, cfg, results)
+                if cfg.runs("huge"):
+                    bench_huge(conn, broker, cfg, results)
+                if cfg.runs("latency"):
+                    bench_latency(url, conn, broker, cfg, results)
                 if cfg.explain:
                     explain_triggers(conn)
             finally:
                 broker.stop()
-            bench_scale(url, conn, pgbench, cfg, results)
+            if cfg.runs("scale"):
+                bench_scale(url, conn, pgbench, cfg, results)
     results.figures["seconds"] = time.monotonic() - started
     return results
 
@@ -1057,9 +1069,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, noisier figures)")
     parser.add_argument("--explain", action="store_true", help="also print auto_explain plans of the trigger queries")
+    parser.add_argument("--only", action="append", choices=PARTS, default=[],
+                        help="run only this part (repeatable; default: all)")  # fmt: skip
     args = parser.parse_args(argv)
     cfg = Settings.quick() if args.quick else Settings()
     cfg.explain = args.explain
+    cfg.only = tuple(args.only)
     results = run(cfg)
     print()
     print(results.table())
