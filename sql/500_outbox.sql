@@ -12,7 +12,9 @@
 -- promoted standby has it empty; both end every broker session, so the next
 -- claim starts a new epoch whose clients re-subscribe and re-read.
 CREATE UNLOGGED TABLE pgbroker.outbox (
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    -- Unique by its sequence; indexed with the broker's name only (below):
+    -- every index is one more hot page that all writers insert into.
+    id bigint GENERATED ALWAYS AS IDENTITY,
     name text NOT NULL,
     epoch bigint NOT NULL,
     watch_id integer NOT NULL,
@@ -189,8 +191,10 @@ DECLARE
     v_x xid8;
     v_when timestamptz;
     v_first bigint;
+    v_dirty boolean := true;  -- the setting needs writing (unset, or another epoch's)
 BEGIN
     IF v_state[1] = p_epoch::text AND cardinality(v_state) = 5 THEN
+        v_dirty := false;
         v_floor := v_state[2]::bigint;
         v_s := nullif(v_state[3], '')::bigint;
         v_x := nullif(v_state[4], '')::xid8;
@@ -204,6 +208,7 @@ BEGIN
          WHERE o.name = p_name AND o.epoch = p_epoch AND o.id > v_floor;
         v_floor := greatest(v_floor, least(v_s, v_first - 1));
         v_x := NULL;
+        v_dirty := true;
     END IF;
     -- A new (S, X) needs an xid taken after reading S: only in a transaction
     -- that has none yet, and at most every 100 ms (each costs an xid).
@@ -212,16 +217,19 @@ BEGIN
         SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO v_s FROM pgbroker.outbox_id_seq;
         v_x := pg_current_xact_id();
         v_when := clock_timestamp();
+        v_dirty := true;
     END IF;
-    PERFORM set_config('pgbroker.outbox_floor',
-                       concat_ws(':', p_epoch, v_floor, coalesce(v_s::text, ''), coalesce(v_x::text, ''),
-                                 coalesce(extract(epoch FROM v_when)::text, '')),
-                       false);
+    IF v_dirty THEN
+        PERFORM set_config('pgbroker.outbox_floor',
+                           concat_ws(':', p_epoch, v_floor, coalesce(v_s::text, ''), coalesce(v_x::text, ''),
+                                     coalesce(extract(epoch FROM v_when)::text, '')),
+                           false);
+    END IF;
     RETURN v_floor;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._outbox_floor(text, bigint, boolean) IS
-    'Internal: the id below which this broker session''s outbox scans can start (see the comment above it in sql/300_watch.sql); p_advance moves it up when that is safe.';
+    'Internal: the id below which this broker session''s outbox scans can start (see the comment above it in sql/500_outbox.sql); p_advance moves it up when that is safe.';
 
 -- Rows written while a subscribe was under way name no clients (NULL):
 -- whoever is subscribed when they are fetched is told.  Resolved in place;
@@ -241,9 +249,9 @@ AS $$
     ), told AS (
         UPDATE pgbroker.outbox o SET clients = r.clients
           FROM resolved r
-         WHERE o.id = r.id AND r.clients <> '{}'
+         WHERE o.name = p_name AND o.id = r.id AND r.clients <> '{}'
     )
-    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.id = r.id AND r.clients = '{}';
+    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.name = p_name AND d.id = r.id AND r.clients = '{}';
 $$;
 COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
     'Internal: give the outbox rows of a broker written with clients NULL the clients subscribed now; drop those with none.';
@@ -281,7 +289,7 @@ BEGIN
     v_floor := pgbroker._outbox_floor(v_name, v_epoch, true);
     IF outbox_fetch.ack IS NOT NULL THEN
         -- Acknowledge the previous batch in the same round trip.
-        DELETE FROM pgbroker.outbox b WHERE b.id = ANY (outbox_fetch.ack) AND b.name = v_name;
+        DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.id = ANY (outbox_fetch.ack);
     END IF;
     IF EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = v_name AND u.clients IS NULL) THEN
         PERFORM pgbroker._outbox_resolve(v_name, v_epoch);

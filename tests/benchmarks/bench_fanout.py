@@ -413,6 +413,7 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
         tps: dict[str, list[float]] = {k: [] for k in scripts}
         cpu: dict[str, list[float]] = {k: [] for k in scripts}  # CPU seconds per transaction
         fetch_cpu: list[float] = []  # broker backend CPU seconds per delivered row
+        split: dict[str, list[tuple[float, float, float]]] = {"watched": [], "drained": []}
         counts: Counter[str] = Counter()
         transactions = 0.0
         backlog = 0
@@ -443,6 +444,13 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
                 cpu[variant].append((cpu1[0] - cpu0[0] + cpu1[1] - cpu0[1]) / max(value * cfg.tps_seconds, 1))
                 if variant == "watched" and after["delivered"] > before["delivered"]:
                     fetch_cpu.append((cpu1[2] - cpu0[2]) / (after["delivered"] - before["delivered"]))
+                if variant in ("watched", "drained"):
+                    txns = max(value * cfg.tps_seconds, 1)
+                    split[variant].append((
+                        (cpu1[0] - cpu0[0] - (cpu1[2] - cpu0[2])) / txns,  # the rest of the server
+                        (cpu1[2] - cpu0[2]) / txns,  # the broker's backend
+                        (cpu1[1] - cpu0[1]) / txns,  # the broker's loop (this process)
+                    ))
                 if variant == "watched":
                     backlog = max(backlog, conn.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0])
                     wait_drained(conn, broker)
@@ -511,6 +519,14 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
             f"{counts['notifies'] / max(transactions, 1):.4f}/txn",
             "<< 1/txn",
         )
+        for variant, parts in split.items():
+            if parts:
+                rest, backend, loop = (statistics.median(p[i] for p in parts) * 1e6 for i in range(3))
+                results.note(
+                    f"{writers} writer(s), {variant}: CPU per transaction {rest:,.0f} us in the writers' backends and"
+                    f" the rest of the server, {backend:,.0f} us in the broker's backend, {loop:,.0f} us in the"
+                    f" broker's loop (unwatched: {statistics.median(cpu['plain']) * 1e6:,.0f} us in all)"
+                )
         results.note(
             f"{writers} writer(s), tps per round: "
             + "; ".join(f"{k} {', '.join(f'{v:,.0f}' for v in vals)}" for k, vals in tps.items())
