@@ -165,8 +165,9 @@ class Notification:
     ``op`` is ``"I"``, ``"U"``, ``"D"`` or ``"T"`` (truncate); ``key`` the
     row's primary key as decoded JSON (a scalar, or a list for a composite
     key; None for a truncate); ``changed`` the names of the changed columns
-    (updates only); ``clients`` the client ids to tell.  The row's values are
-    not carried: read the row.
+    (updates only); ``clients`` the client ids to tell (never empty; it may
+    name a client unregistered a moment ago: skip ids you no longer know).
+    The row's values are not carried: read the row.
     """
 
     id: int
