@@ -8,6 +8,7 @@ import re
 import site
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -145,6 +146,65 @@ def test_wheel_cli_migrate(venv, wheel, empty_db, tmp_path):
     assert f"schema version {install.SCHEMA_VERSION}" in done.stdout
     assert install.current_revision(empty_db) == (script_directory().get_current_head(),)
     assert _scalar(empty_db, "SELECT pgbroker.broker_claim('cli')") == 1
+
+
+# ---------------------------------------------------------------------------
+# `python -m build`: the sdist, and the wheel built from it, as a release is made
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, Path]:
+    """sdist and wheel from ``python -m build`` (the wheel is built from the sdist, so the
+    sdist must hold everything a wheel needs).  ``--no-isolation``: hatchling comes from
+    the test extra, so the build needs no download."""
+    out = tmp_path_factory.mktemp("dist")
+    cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(REPO)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_clean_env())
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
+    (sdist,) = out.glob("pgbroker-*.tar.gz")
+    (whl,) = out.glob("pgbroker-*.whl")
+    return sdist, whl
+
+
+@pytest.mark.slow
+def test_sdist_holds_the_sources_the_wheel_is_built_from(built):
+    sdist, _ = built
+    with tarfile.open(sdist) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    for needed in ("pyproject.toml", "README.md", "alembic.ini", "pgbroker/py.typed", "pgbroker/cli.py",
+                   "migrations/env.py"):  # fmt: skip
+        assert needed in names, needed
+    for path in sql_files():
+        assert f"sql/{path.name}" in names, path.name
+    for path in (REPO / "migrations" / "versions").glob("*.sql"):
+        assert f"migrations/versions/{path.name}" in names, path.name
+
+
+@pytest.mark.slow
+def test_built_wheel_installs_in_a_clean_venv_and_runs_migrate_and_the_demo(built, empty_db, tmp_path_factory):
+    _, whl = built
+    root = tmp_path_factory.mktemp("built-venv") / "v"
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=300)
+    python = str(root / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             check=True, capture_output=True, text=True, timeout=60).stdout.strip()  # fmt: skip
+    # Dependencies from the running interpreter (offline), after the venv's own packages: see venv().
+    (Path(purelib) / "_pgbroker_test_deps.pth").write_text("".join(f"{d}\n" for d in _site_packages()))
+    pip = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(whl)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert pip.returncode == 0, pip.stderr
+    away = tmp_path_factory.mktemp("elsewhere")  # not the checkout: only the installed package can be found
+    cli = str(root / "bin" / "pgbroker")
+    version = _venv_run(root, cli, "--version", tmp_path=away)
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.startswith("pgbroker ") and install.SCHEMA_VERSION in version.stdout, version.stdout
+    done = _venv_run(root, cli, "migrate", "--url", empty_db, tmp_path=away)
+    assert done.returncode == 0, f"pgbroker migrate failed:\n{done.stdout}\n{done.stderr}"
+    assert install.current_revision(empty_db) == (script_directory().get_current_head(),)
+    # The demo starts its own throwaway PostgreSQL (as the postgres user when run as root).
+    demo = _venv_run(root, cli, "demo", tmp_path=away)
+    assert demo.returncode == 0, f"pgbroker demo failed:\n{demo.stdout}\n{demo.stderr}"
+    assert "Takeover after SIGKILL of the holder" in demo.stdout, demo.stdout
 
 
 # ---------------------------------------------------------------------------

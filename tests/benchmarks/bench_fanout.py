@@ -446,11 +446,13 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
                     fetch_cpu.append((cpu1[2] - cpu0[2]) / (after["delivered"] - before["delivered"]))
                 if variant in ("watched", "drained"):
                     txns = max(value * cfg.tps_seconds, 1)
-                    split[variant].append((
-                        (cpu1[0] - cpu0[0] - (cpu1[2] - cpu0[2])) / txns,  # the rest of the server
-                        (cpu1[2] - cpu0[2]) / txns,  # the broker's backend
-                        (cpu1[1] - cpu0[1]) / txns,  # the broker's loop (this process)
-                    ))
+                    split[variant].append(
+                        (
+                            (cpu1[0] - cpu0[0] - (cpu1[2] - cpu0[2])) / txns,  # the rest of the server
+                            (cpu1[2] - cpu0[2]) / txns,  # the broker's backend
+                            (cpu1[1] - cpu0[1]) / txns,  # the broker's loop (this process)
+                        )
+                    )
                 if variant == "watched":
                     backlog = max(backlog, conn.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0])
                     wait_drained(conn, broker)
