@@ -217,6 +217,21 @@ def test_fetch_lists_clients_in_subscription_order_and_leaves_out_unregistered_o
     ]
 
 
+def test_a_pending_row_whose_only_client_unregistered_is_dropped_not_returned(connect):
+    broker, writer, admin = connect("broker"), connect("writer"), connect("admin")
+    claim(broker)
+    seed_objects(writer, [1, 2])
+    register(broker, "solo")
+    register(broker, "other")
+    subscribe(broker, "solo", key=1)
+    subscribe(broker, "other", key=2)
+    writer.execute("UPDATE initech.objects SET name = 'x'")
+    assert unregister(broker, "solo") is True  # its pending row named it alone: deleted
+    assert admin.execute("SELECT clients FROM pgbroker.outbox ORDER BY id").fetchall() == [(["other"],)]
+    assert [(r["key"], r["clients"]) for r in drain(broker)] == [(2, ["other"])]
+    assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone() == (0,)
+
+
 def test_new_claim_wipes_state_of_earlier_epochs(connect):
     old, new, writer = connect("old broker"), connect("new broker"), connect("writer")
     other = connect("other broker")

@@ -1994,7 +1994,7 @@ COMMENT ON FUNCTION pgbroker.outbox_ack(text, bigint[]) IS
 
 -- ---------------------------------------------------------------------------
 -- An unregistered client is struck from the notifications still pending for
--- it (rows left with nobody are then dropped by the next fetch).  A writer
+-- it (a row that named it alone is deleted).  A writer
 -- transaction that read the interest before the unregister committed may
 -- still name it: a broker ignores ids it no longer knows.
 CREATE FUNCTION pgbroker._outbox_forget_client()
@@ -2005,6 +2005,8 @@ AS $$
 BEGIN
     -- (Clients of an earlier epoch go with its whole outbox: _500_clear_outbox.)
     IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
+        DELETE FROM pgbroker.outbox o
+         WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients = ARRAY[OLD.client_id];
         UPDATE pgbroker.outbox o SET clients = array_remove(o.clients, OLD.client_id)
          WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients @> ARRAY[OLD.client_id];
     END IF;
