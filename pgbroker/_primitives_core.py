@@ -23,17 +23,17 @@ LOCK_RELEASE_SQL = "SELECT pgbroker.lock_release(name => %(name)s, shared => %(s
 LOCK_KEY_SQL = "SELECT pgbroker.lock_key(name => %(name)s)"
 # A session lock on a name whose key is known (pgbroker.lock_key): the very
 # advisory lock lock_acquire() takes, without the function call around it.
-LOCK_CLASS = 1885823596
+LOCK_CLASS = 1885823596  # pgbroker._lock_class_lock() ('pgbl'); a test compares them
 RAW_LOCK_SQL = {
     # (shared, try once)
-    (False, False): "SELECT pg_catalog.pg_advisory_lock(1885823596, %(key)s) IS NULL",
-    (True, False): "SELECT pg_catalog.pg_advisory_lock_shared(1885823596, %(key)s) IS NULL",
-    (False, True): "SELECT pg_catalog.pg_try_advisory_lock(1885823596, %(key)s)",
-    (True, True): "SELECT pg_catalog.pg_try_advisory_lock_shared(1885823596, %(key)s)",
+    (False, False): f"SELECT pg_catalog.pg_advisory_lock({LOCK_CLASS}, %(key)s) IS NULL",
+    (True, False): f"SELECT pg_catalog.pg_advisory_lock_shared({LOCK_CLASS}, %(key)s) IS NULL",
+    (False, True): f"SELECT pg_catalog.pg_try_advisory_lock({LOCK_CLASS}, %(key)s)",
+    (True, True): f"SELECT pg_catalog.pg_try_advisory_lock_shared({LOCK_CLASS}, %(key)s)",
 }
 RAW_UNLOCK_SQL = {
-    False: "SELECT pg_catalog.pg_advisory_unlock(1885823596, %(key)s)",
-    True: "SELECT pg_catalog.pg_advisory_unlock_shared(1885823596, %(key)s)",
+    False: f"SELECT pg_catalog.pg_advisory_unlock({LOCK_CLASS}, %(key)s)",
+    True: f"SELECT pg_catalog.pg_advisory_unlock_shared({LOCK_CLASS}, %(key)s)",
 }
 SEMAPHORE_CHANNEL_SQL = "SELECT pgbroker.semaphore_channel(name => %(name)s)"
 SEMAPHORE_TRY_SQL = 'SELECT pgbroker.semaphore_acquire(name => %(name)s, "limit" => %(limit)s, wait => %(wait)s)'

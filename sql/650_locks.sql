@@ -18,6 +18,12 @@
 -- transaction-level lock and count the holds in the row; a deferred trigger
 -- turns them into session locks when the transaction commits.
 
+CREATE FUNCTION pgbroker._lock_class_lock()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823596 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_lock() IS
+    'Internal: ''pgbl''; (class, lock_name.key) is the advisory lock of a named lock.';
+
 CREATE TABLE pgbroker.lock_name (
     name text PRIMARY KEY,
     key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT lock_name_key_unique UNIQUE,
@@ -47,10 +53,10 @@ BEGIN
     SELECT * INTO v_row FROM pgbroker.lock_name WHERE key = NEW.key;
     -- This transaction holds the transaction-level locks: these succeed at once.
     FOR i IN 1 .. coalesce(v_row.pending_exclusive, 0) LOOP
-        PERFORM pg_advisory_lock(1885823596, v_row.key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_lock(), v_row.key);
     END LOOP;
     FOR i IN 1 .. coalesce(v_row.pending_shared, 0) LOOP
-        PERFORM pg_advisory_lock_shared(1885823596, v_row.key);
+        PERFORM pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_row.key);
     END LOOP;
     RETURN NULL;
 END
@@ -158,10 +164,10 @@ BEGIN
         -- yet.  Hold it for the transaction and take the session lock at
         -- commit (see _lock_name_commit), so a rollback leaves no lock behind.
         IF lock_acquire.shared THEN
-            PERFORM pg_advisory_xact_lock_shared(1885823596, v_key);
+            PERFORM pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key);
             UPDATE pgbroker.lock_name SET pending_shared = pending_shared + 1 WHERE key = v_key;
         ELSE
-            PERFORM pg_advisory_xact_lock(1885823596, v_key);
+            PERFORM pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key);
             UPDATE pgbroker.lock_name SET pending_exclusive = pending_exclusive + 1 WHERE key = v_key;
         END IF;
         RETURN true;
@@ -170,25 +176,25 @@ BEGIN
         -- Wait as long as it takes, and the session sets no lock_timeout: no
         -- timeout to set or catch (a subtransaction and two set_config calls
         -- less; the common call).
-        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(1885823596, v_key)
-                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(1885823596, v_key)
-                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(1885823596, v_key)
-                     ELSE pg_advisory_lock(1885823596, v_key) END;
+        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
+                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
+                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
+                     ELSE pg_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
         RETURN true;
     END IF;
     IF lock_acquire.wait = '0'::interval THEN
-        RETURN CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(1885823596, v_key)
-                    WHEN lock_acquire.xact THEN pg_try_advisory_xact_lock(1885823596, v_key)
-                    WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(1885823596, v_key)
-                    ELSE pg_try_advisory_lock(1885823596, v_key) END;
+        RETURN CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
+                    WHEN lock_acquire.xact THEN pg_try_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
+                    WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
+                    ELSE pg_try_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
     END IF;
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(lock_acquire.wait), true);
-        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(1885823596, v_key)
-                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(1885823596, v_key)
-                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(1885823596, v_key)
-                     ELSE pg_advisory_lock(1885823596, v_key) END;
+        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
+                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
+                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
+                     ELSE pg_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
         PERFORM set_config('lock_timeout', v_timeout, true);
     EXCEPTION WHEN lock_not_available THEN
         PERFORM set_config('lock_timeout', v_timeout, true);
@@ -236,8 +242,8 @@ BEGIN
         END IF;
         RETURN FOUND;
     END IF;
-    RETURN CASE WHEN lock_release.shared THEN pg_advisory_unlock_shared(1885823596, v_key)
-                ELSE pg_advisory_unlock(1885823596, v_key) END;
+    RETURN CASE WHEN lock_release.shared THEN pg_advisory_unlock_shared(pgbroker._lock_class_lock(), v_key)
+                ELSE pg_advisory_unlock(pgbroker._lock_class_lock(), v_key) END;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.lock_release(text, boolean) IS

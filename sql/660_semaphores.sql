@@ -23,6 +23,12 @@
 -- permit registered by the open transaction is held for the transaction and
 -- turned into a session lock when it commits.
 
+CREATE FUNCTION pgbroker._lock_class_permit()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823597 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_permit() IS
+    'Internal: ''pgbm''; (class, semaphore_permit.key) is the session-level advisory lock of a semaphore permit.';
+
 CREATE TABLE pgbroker.semaphore_permit (
     name text NOT NULL,
     permit integer NOT NULL,
@@ -48,7 +54,7 @@ AS $$
 BEGIN
     -- This transaction holds the transaction-level lock: this succeeds at once.
     FOR i IN 1 .. coalesce((SELECT p.pending FROM pgbroker.semaphore_permit p WHERE p.key = NEW.key), 0) LOOP
-        PERFORM pg_advisory_lock(1885823597, NEW.key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_permit(), NEW.key);
     END LOOP;
     RETURN NULL;
 END
@@ -73,11 +79,11 @@ BEGIN
     FOR i IN 1 .. cardinality(p_keys) LOOP
         IF p_own[i] THEN
             -- Registered by this open transaction (see above).
-            IF pg_try_advisory_xact_lock(1885823597, p_keys[i]) THEN
+            IF pg_try_advisory_xact_lock(pgbroker._lock_class_permit(), p_keys[i]) THEN
                 UPDATE pgbroker.semaphore_permit SET pending = pending + 1 WHERE key = p_keys[i];
                 RETURN i;
             END IF;
-        ELSIF pg_try_advisory_lock(1885823597, p_keys[i]) THEN
+        ELSIF pg_try_advisory_lock(pgbroker._lock_class_permit(), p_keys[i]) THEN
             RETURN i;
         END IF;
     END LOOP;
@@ -183,7 +189,7 @@ BEGIN
     ELSE
         v_own := array_fill(false, ARRAY[semaphore_acquire."limit"]);
         FOR i IN 1 .. semaphore_acquire."limit" LOOP
-            IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
+            IF pg_try_advisory_lock(pgbroker._lock_class_permit(), v_keys[i]) THEN
                 RETURN i;
             END IF;
         END LOOP;
@@ -201,7 +207,7 @@ BEGIN
             PERFORM set_config('lock_timeout',
                                pgbroker._wait_ms(greatest(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms'),
                                                           '0'::interval)), true);
-            PERFORM pg_advisory_lock(1885823597, v_keys[v_watch]);
+            PERFORM pg_advisory_lock(pgbroker._lock_class_permit(), v_keys[v_watch]);
             PERFORM set_config('lock_timeout', v_timeout, true);
             RETURN v_watch;
         EXCEPTION WHEN lock_not_available THEN
@@ -247,7 +253,7 @@ BEGIN
     IF NOT v_mine THEN
         -- The hot path: no permit registered by this open transaction.
         FOR i IN 1 .. cardinality(v_keys) LOOP
-            IF pg_advisory_unlock(1885823597, v_keys[i]) THEN
+            IF pg_advisory_unlock(pgbroker._lock_class_permit(), v_keys[i]) THEN
                 -- semaphore_channel(v_name), without its call and settings frame
                 PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permits[i]::text);
                 RETURN true;
@@ -262,7 +268,7 @@ BEGIN
                 UPDATE pgbroker.semaphore_permit SET pending = pending - 1 WHERE key = v_permit.key;
                 RETURN true;
             END IF;
-        ELSIF pg_advisory_unlock(1885823597, v_permit.key) THEN
+        ELSIF pg_advisory_unlock(pgbroker._lock_class_permit(), v_permit.key) THEN
             PERFORM pg_notify(pgbroker.semaphore_channel(v_name), v_permit.permit::text);
             RETURN true;
         END IF;

@@ -28,6 +28,12 @@
 -- it reads.  Writes never wait for watchers: while a watcher registers, the
 -- try on "in flight" fails and the write announces itself.
 
+CREATE FUNCTION pgbroker._lock_class_kv()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823595 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_kv() IS
+    'Internal: ''pgbk''; (class, 1) is held shared by registered key-value watchers, (class, 0) shared by key-value writes in flight.';
+
 CREATE TABLE pgbroker.kv_entry (
     key text PRIMARY KEY,
     value jsonb NOT NULL,
@@ -64,9 +70,10 @@ AS $$
 BEGIN
     -- A session's own shared lock never conflicts with its own try: a session
     -- that watches marks itself (kv_watch_begin) and always announces.
-    IF pg_catalog.pg_try_advisory_xact_lock_shared(1885823595, 0)
+    IF pg_catalog.pg_try_advisory_xact_lock_shared(pgbroker._lock_class_kv(), 0)
        AND pg_catalog.current_setting('pgbroker.kv_watching', true) IS DISTINCT FROM 'on' THEN
-        IF (CASE WHEN pg_catalog.pg_try_advisory_lock(1885823595, 1) THEN pg_catalog.pg_advisory_unlock(1885823595, 1)
+        IF (CASE WHEN pg_catalog.pg_try_advisory_lock(pgbroker._lock_class_kv(), 1)
+                 THEN pg_catalog.pg_advisory_unlock(pgbroker._lock_class_kv(), 1)
                  ELSE false END) THEN
             RETURN;   -- no watcher registered; one that registers from now on waits for this transaction
         END IF;
@@ -86,10 +93,10 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    PERFORM pg_advisory_lock_shared(1885823595, 1);
+    PERFORM pg_advisory_lock_shared(pgbroker._lock_class_kv(), 1);
     PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
     -- Wait for the writes that looked for watchers before we registered.
-    PERFORM pg_advisory_xact_lock(1885823595, 0);
+    PERFORM pg_advisory_xact_lock(pgbroker._lock_class_kv(), 0);
 END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_watch_begin() IS
@@ -104,7 +111,7 @@ SET search_path = pg_catalog, pg_temp
 SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
 AS $$
 BEGIN
-    RETURN pg_advisory_unlock_shared(1885823595, 1);
+    RETURN pg_advisory_unlock_shared(pgbroker._lock_class_kv(), 1);
 END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_watch_end() IS

@@ -45,7 +45,7 @@ from pgbroker import (
     primitives,
 )
 from pgbroker._core import pooler_verdict
-from pgbroker._primitives_core import lock_keys
+from pgbroker._primitives_core import LOCK_CLASS, lock_keys
 
 Connect = Callable[..., psycopg.Connection]
 
@@ -426,6 +426,7 @@ def test_lock_key_is_the_lock_of_committed_names_only(connect: Connect):
     assert one(b, "SELECT pgbroker.lock_key('k1')") == key
     assert release(a, "k1") is True
     # The same lock as lock_acquire's: taken raw by key, lock_acquire sees it held, and the view names it.
+    assert one(admin, "SELECT pgbroker._lock_class_lock()") == LOCK_CLASS  # the Python Lock's fast path takes it
     b.execute("SELECT pg_advisory_lock(1885823596, %s)", (key,))
     assert acquire(a, "k1") is False
     assert one(admin, "SELECT holder_pid FROM pgbroker.locks WHERE name = 'k1'") == b.info.backend_pid

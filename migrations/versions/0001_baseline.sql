@@ -2616,6 +2616,12 @@ COMMENT ON FUNCTION pgbroker.unwatch(regclass, interval) IS
 -- transaction-level lock and count the holds in the row; a deferred trigger
 -- turns them into session locks when the transaction commits.
 
+CREATE FUNCTION pgbroker._lock_class_lock()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823596 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_lock() IS
+    'Internal: ''pgbl''; (class, lock_name.key) is the advisory lock of a named lock.';
+
 CREATE TABLE pgbroker.lock_name (
     name text PRIMARY KEY,
     key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT lock_name_key_unique UNIQUE,
@@ -2645,10 +2651,10 @@ BEGIN
     SELECT * INTO v_row FROM pgbroker.lock_name WHERE key = NEW.key;
     -- This transaction holds the transaction-level locks: these succeed at once.
     FOR i IN 1 .. coalesce(v_row.pending_exclusive, 0) LOOP
-        PERFORM pg_advisory_lock(1885823596, v_row.key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_lock(), v_row.key);
     END LOOP;
     FOR i IN 1 .. coalesce(v_row.pending_shared, 0) LOOP
-        PERFORM pg_advisory_lock_shared(1885823596, v_row.key);
+        PERFORM pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_row.key);
     END LOOP;
     RETURN NULL;
 END
@@ -2756,10 +2762,10 @@ BEGIN
         -- yet.  Hold it for the transaction and take the session lock at
         -- commit (see _lock_name_commit), so a rollback leaves no lock behind.
         IF lock_acquire.shared THEN
-            PERFORM pg_advisory_xact_lock_shared(1885823596, v_key);
+            PERFORM pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key);
             UPDATE pgbroker.lock_name SET pending_shared = pending_shared + 1 WHERE key = v_key;
         ELSE
-            PERFORM pg_advisory_xact_lock(1885823596, v_key);
+            PERFORM pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key);
             UPDATE pgbroker.lock_name SET pending_exclusive = pending_exclusive + 1 WHERE key = v_key;
         END IF;
         RETURN true;
@@ -2768,25 +2774,25 @@ BEGIN
         -- Wait as long as it takes, and the session sets no lock_timeout: no
         -- timeout to set or catch (a subtransaction and two set_config calls
         -- less; the common call).
-        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(1885823596, v_key)
-                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(1885823596, v_key)
-                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(1885823596, v_key)
-                     ELSE pg_advisory_lock(1885823596, v_key) END;
+        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
+                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
+                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
+                     ELSE pg_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
         RETURN true;
     END IF;
     IF lock_acquire.wait = '0'::interval THEN
-        RETURN CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(1885823596, v_key)
-                    WHEN lock_acquire.xact THEN pg_try_advisory_xact_lock(1885823596, v_key)
-                    WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(1885823596, v_key)
-                    ELSE pg_try_advisory_lock(1885823596, v_key) END;
+        RETURN CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
+                    WHEN lock_acquire.xact THEN pg_try_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
+                    WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
+                    ELSE pg_try_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
     END IF;
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(lock_acquire.wait), true);
-        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(1885823596, v_key)
-                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(1885823596, v_key)
-                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(1885823596, v_key)
-                     ELSE pg_advisory_lock(1885823596, v_key) END;
+        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
+                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
+                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
+                     ELSE pg_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
         PERFORM set_config('lock_timeout', v_timeout, true);
     EXCEPTION WHEN lock_not_available THEN
         PERFORM set_config('lock_timeout', v_timeout, true);
@@ -2834,8 +2840,8 @@ BEGIN
         END IF;
         RETURN FOUND;
     END IF;
-    RETURN CASE WHEN lock_release.shared THEN pg_advisory_unlock_shared(1885823596, v_key)
-                ELSE pg_advisory_unlock(1885823596, v_key) END;
+    RETURN CASE WHEN lock_release.shared THEN pg_advisory_unlock_shared(pgbroker._lock_class_lock(), v_key)
+                ELSE pg_advisory_unlock(pgbroker._lock_class_lock(), v_key) END;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.lock_release(text, boolean) IS
@@ -2891,6 +2897,12 @@ A registered name keeps its key for ever.$$;
 -- permit registered by the open transaction is held for the transaction and
 -- turned into a session lock when it commits.
 
+CREATE FUNCTION pgbroker._lock_class_permit()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823597 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_permit() IS
+    'Internal: ''pgbm''; (class, semaphore_permit.key) is the session-level advisory lock of a semaphore permit.';
+
 CREATE TABLE pgbroker.semaphore_permit (
     name text NOT NULL,
     permit integer NOT NULL,
@@ -2916,7 +2928,7 @@ AS $$
 BEGIN
     -- This transaction holds the transaction-level lock: this succeeds at once.
     FOR i IN 1 .. coalesce((SELECT p.pending FROM pgbroker.semaphore_permit p WHERE p.key = NEW.key), 0) LOOP
-        PERFORM pg_advisory_lock(1885823597, NEW.key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_permit(), NEW.key);
     END LOOP;
     RETURN NULL;
 END
@@ -2941,11 +2953,11 @@ BEGIN
     FOR i IN 1 .. cardinality(p_keys) LOOP
         IF p_own[i] THEN
             -- Registered by this open transaction (see above).
-            IF pg_try_advisory_xact_lock(1885823597, p_keys[i]) THEN
+            IF pg_try_advisory_xact_lock(pgbroker._lock_class_permit(), p_keys[i]) THEN
                 UPDATE pgbroker.semaphore_permit SET pending = pending + 1 WHERE key = p_keys[i];
                 RETURN i;
             END IF;
-        ELSIF pg_try_advisory_lock(1885823597, p_keys[i]) THEN
+        ELSIF pg_try_advisory_lock(pgbroker._lock_class_permit(), p_keys[i]) THEN
             RETURN i;
         END IF;
     END LOOP;
@@ -3051,7 +3063,7 @@ BEGIN
     ELSE
         v_own := array_fill(false, ARRAY[semaphore_acquire."limit"]);
         FOR i IN 1 .. semaphore_acquire."limit" LOOP
-            IF pg_try_advisory_lock(1885823597, v_keys[i]) THEN
+            IF pg_try_advisory_lock(pgbroker._lock_class_permit(), v_keys[i]) THEN
                 RETURN i;
             END IF;
         END LOOP;
@@ -3069,7 +3081,7 @@ BEGIN
             PERFORM set_config('lock_timeout',
                                pgbroker._wait_ms(greatest(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms'),
                                                           '0'::interval)), true);
-            PERFORM pg_advisory_lock(1885823597, v_keys[v_watch]);
+            PERFORM pg_advisory_lock(pgbroker._lock_class_permit(), v_keys[v_watch]);
             PERFORM set_config('lock_timeout', v_timeout, true);
             RETURN v_watch;
         EXCEPTION WHEN lock_not_available THEN
@@ -3115,7 +3127,7 @@ BEGIN
     IF NOT v_mine THEN
         -- The hot path: no permit registered by this open transaction.
         FOR i IN 1 .. cardinality(v_keys) LOOP
-            IF pg_advisory_unlock(1885823597, v_keys[i]) THEN
+            IF pg_advisory_unlock(pgbroker._lock_class_permit(), v_keys[i]) THEN
                 -- semaphore_channel(v_name), without its call and settings frame
                 PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permits[i]::text);
                 RETURN true;
@@ -3130,7 +3142,7 @@ BEGIN
                 UPDATE pgbroker.semaphore_permit SET pending = pending - 1 WHERE key = v_permit.key;
                 RETURN true;
             END IF;
-        ELSIF pg_advisory_unlock(1885823597, v_permit.key) THEN
+        ELSIF pg_advisory_unlock(pgbroker._lock_class_permit(), v_permit.key) THEN
             PERFORM pg_notify(pgbroker.semaphore_channel(v_name), v_permit.permit::text);
             RETURN true;
         END IF;
@@ -3173,6 +3185,12 @@ COMMENT ON FUNCTION pgbroker.semaphore_release(text) IS
 -- it reads.  Writes never wait for watchers: while a watcher registers, the
 -- try on "in flight" fails and the write announces itself.
 
+CREATE FUNCTION pgbroker._lock_class_kv()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823595 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_kv() IS
+    'Internal: ''pgbk''; (class, 1) is held shared by registered key-value watchers, (class, 0) shared by key-value writes in flight.';
+
 CREATE TABLE pgbroker.kv_entry (
     key text PRIMARY KEY,
     value jsonb NOT NULL,
@@ -3209,9 +3227,10 @@ AS $$
 BEGIN
     -- A session's own shared lock never conflicts with its own try: a session
     -- that watches marks itself (kv_watch_begin) and always announces.
-    IF pg_catalog.pg_try_advisory_xact_lock_shared(1885823595, 0)
+    IF pg_catalog.pg_try_advisory_xact_lock_shared(pgbroker._lock_class_kv(), 0)
        AND pg_catalog.current_setting('pgbroker.kv_watching', true) IS DISTINCT FROM 'on' THEN
-        IF (CASE WHEN pg_catalog.pg_try_advisory_lock(1885823595, 1) THEN pg_catalog.pg_advisory_unlock(1885823595, 1)
+        IF (CASE WHEN pg_catalog.pg_try_advisory_lock(pgbroker._lock_class_kv(), 1)
+                 THEN pg_catalog.pg_advisory_unlock(pgbroker._lock_class_kv(), 1)
                  ELSE false END) THEN
             RETURN;   -- no watcher registered; one that registers from now on waits for this transaction
         END IF;
@@ -3231,10 +3250,10 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    PERFORM pg_advisory_lock_shared(1885823595, 1);
+    PERFORM pg_advisory_lock_shared(pgbroker._lock_class_kv(), 1);
     PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
     -- Wait for the writes that looked for watchers before we registered.
-    PERFORM pg_advisory_xact_lock(1885823595, 0);
+    PERFORM pg_advisory_xact_lock(pgbroker._lock_class_kv(), 0);
 END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_watch_begin() IS
@@ -3249,7 +3268,7 @@ SET search_path = pg_catalog, pg_temp
 SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
 AS $$
 BEGIN
-    RETURN pg_advisory_unlock_shared(1885823595, 1);
+    RETURN pg_advisory_unlock_shared(pgbroker._lock_class_kv(), 1);
 END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_watch_end() IS
