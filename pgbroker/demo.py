@@ -359,7 +359,12 @@ def run_demo(url: str | None = None, name: str | None = None) -> int:
                     _on_exit(cleanup, server.stop, "stop the throwaway PostgreSQL")
                 url = server.url
                 name = name or LEASE_NAME
-                _say(f"  started a throwaway PostgreSQL at {url} (data in {server.datadir})")
+                import psycopg
+
+                with psycopg.connect(url) as conn:
+                    version = conn.execute("SHOW server_version").fetchone()[0].split()[0]
+                _say(f"  started a throwaway PostgreSQL {version} from {server.bin_dir}")
+                _say(f"  at {url} (data in {server.datadir})")
             else:
                 from pgbroker.install import describe
 

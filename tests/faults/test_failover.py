@@ -21,13 +21,21 @@ import psycopg
 import pytest
 
 from pgbroker import install
-from pgbroker._embedded import OS_USER, SERVER_OPTIONS, EmbeddedPostgres, find_pg_bin, free_port, pg_ctl_command
+from pgbroker._embedded import (
+    SERVER_OPTIONS,
+    EmbeddedPostgres,
+    find_pg_bin,
+    free_port,
+    pg_ctl_command,
+    server_bin_dir,
+    server_os_user,
+)
 
 MISSED = 100
 
 
 def _as_server_user(*args: str) -> list[str]:
-    return ["runuser", "-u", OS_USER, "--", *args] if os.geteuid() == 0 else list(args)
+    return ["runuser", "-u", server_os_user(), "--", *args] if os.geteuid() == 0 else list(args)
 
 
 def _wait_for(check, what: str, timeout: float = 30.0) -> None:
@@ -52,7 +60,7 @@ class Standby:
         self.datadir = directory / "data"
         done = subprocess.run(
             _as_server_user(
-                str(find_pg_bin() / "pg_basebackup"),
+                str(server_bin_dir() / "pg_basebackup"),
                 "-h", primary.host, "-p", str(primary.port), "-U", "postgres",
                 "-D", str(self.datadir), "-R", "-X", "stream", "-c", "fast", "--no-sync",
             ),
