@@ -467,8 +467,8 @@ AS $$
 DECLARE
     v_trigger text;
 BEGIN
-    IF to_regclass(p_watch.relid::regclass::text) IS NULL THEN
-        RETURN;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = p_watch.relid) THEN
+        RETURN;   -- the table was dropped (its oid no longer names anything)
     END IF;
     -- Only those that exist: DROP TRIGGER IF EXISTS would send a NOTICE for each missing one.
     FOR v_trigger IN SELECT t.tgname FROM pg_catalog.pg_trigger t
@@ -547,7 +547,7 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    IF to_regclass(v_watch.relid::regclass::text) IS NOT NULL THEN
+    IF EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = v_watch.relid) THEN
         PERFORM pgbroker._watch_lock_table(v_watch.relid::regclass, unwatch.wait);
     END IF;
     PERFORM pgbroker._watch_drop_triggers(v_watch);
