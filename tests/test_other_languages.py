@@ -1,4 +1,4 @@
-"""The README's plain-SQL broker loop ("Other languages: the broker loop in psql"), run by psql
+"""The broker loop of sql/README.md ("The loop from any language"), run by psql
 alone (one psql session claims, LISTENs and drains the outbox turn after turn while an
 application writes) and by Node.js with the pg package (skipped, saying why, where node or pg
 is not installed)."""
@@ -7,26 +7,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import select
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
+from docs_util import REPO, code_blocks, section
 
 from pgbroker._embedded import psql_path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SQL_README = REPO / "sql" / "README.md"
+SECTION = "### The loop from any language"
 PSQL = psql_path()
 
 
 def readme_loop() -> tuple[str, str]:
-    """The README's psql block, as (setup, one turn of the loop)."""
-    text = README.read_text()
-    section = text[text.index("## Other languages: the broker loop in psql") :]
-    block = re.search(r"^```psql\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL).group(1)
+    """The ```psql block, as (setup, one turn of the loop)."""
+    (block,) = code_blocks(section(SQL_README.read_text(), SECTION), "psql")
     setup, turn = block.split("-- turn:", 1)
     return setup, "-- turn:" + turn
 
@@ -118,9 +116,9 @@ NODE = shutil.which("node")
 
 
 def readme_node_broker() -> str:
-    text = README.read_text()
-    section = text[text.index("## Other languages: the broker loop in psql") :]
-    return re.search(r"^```js\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL).group(1)
+    """The ```js block."""
+    (block,) = code_blocks(section(SQL_README.read_text(), SECTION), "js")
+    return block
 
 
 def _skip(reason: str) -> None:

@@ -1,6 +1,6 @@
-"""What each role may execute and read is exactly the README's role table.
+"""What each role may execute and read is exactly the role table of sql/README.md.
 
-The README ("Roles") lists, per pgbroker role, the functions it may execute
+sql/README.md ("Roles and privileges") lists, per pgbroker role, the functions it may execute
 and the views it may read; "all of the above" in the admin row means the
 reader's and the broker's.  The catalog must agree, for login roles granted
 each pgbroker role (tests/conftest.py) and for PUBLIC (a role granted nothing).
@@ -9,20 +9,19 @@ each pgbroker role (tests/conftest.py) and for PUBLIC (a role granted nothing).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from conftest import TEST_ROLES
+from docs_util import REPO, section
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SQL_README = REPO / "sql" / "README.md"
 
 
-def readme_role_table() -> dict[str, tuple[set[str], set[str]]]:
-    text = README.read_text()
-    section = text[text.index("**Roles.**") :]
+def role_table() -> dict[str, tuple[set[str], set[str]]]:
+    text = section(SQL_README.read_text(), "## Roles and privileges")
     table: dict[str, tuple[set[str], set[str]]] = {}
     above_exec: set[str] = set()
     above_read: set[str] = set()
-    for line in section.splitlines():
+    for line in text.splitlines():
         m = re.match(r"^\| (`pgbroker_\w+`|PUBLIC) \| (.*?) \| (.*?) \|$", line)
         if not m:
             if table and not line.startswith("|"):
@@ -62,22 +61,22 @@ def _catalog(conn, login: str) -> tuple[set[str], set[str]]:
     return execs, reads
 
 
-def test_readme_role_table_is_complete():
-    table = readme_role_table()
+def test_the_role_table_is_complete():
+    table = role_table()
     assert set(table) == {"pgbroker_reader", "pgbroker_broker", "pgbroker_user", "pgbroker_admin", "PUBLIC"}
     assert "broker_claim" in table["pgbroker_admin"][0] and "brokers" in table["pgbroker_admin"][1]
 
 
-def test_each_role_may_do_what_the_readme_says_and_nothing_else(connect):
+def test_each_role_may_do_what_the_role_table_says_and_nothing_else(connect):
     obs = connect("obs")
-    table = readme_role_table()
+    table = role_table()
     login_of = {granted or "PUBLIC": login for login, granted in TEST_ROLES.items()}
     for role, (execs, reads) in table.items():
         got_execs, got_reads = _catalog(obs, login_of[role])
         expected_execs = execs | table["PUBLIC"][0]
         assert got_execs == expected_execs, (
-            f"{role}: executable but not in README: {sorted(got_execs - expected_execs)}; "
-            f"in README but not executable: {sorted(expected_execs - got_execs)}"
+            f"{role}: executable but not in the role table: {sorted(got_execs - expected_execs)}; "
+            f"in the role table but not executable: {sorted(expected_execs - got_execs)}"
         )
-        assert got_reads == reads, f"{role}: readable {sorted(got_reads)}, README says {sorted(reads)}"
+        assert got_reads == reads, f"{role}: readable {sorted(got_reads)}, the role table says {sorted(reads)}"
         assert not any(name.startswith("_") for name in got_execs), f"{role} may execute internal functions"

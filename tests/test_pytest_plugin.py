@@ -1,11 +1,12 @@
 """pgbroker's pytest plugin (pgbroker/pytest_plugin.py), run by pytester in a pytest of its own:
-the README's example test file passes, and without pytest-postgresql the fixtures say what is missing."""
+the example test file of pgbroker/README.md passes, and without pytest-postgresql the fixtures say what is missing."""
 
 from __future__ import annotations
 
-import re
 from importlib.metadata import entry_points
 from pathlib import Path
+
+from docs_util import code_blocks, section
 
 pytest_plugins = ["pytester"]
 
@@ -19,9 +20,10 @@ def _plugin_args() -> list[str]:
 
 
 def readme_example() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Testing your broker with pytest") :]
-    return re.search(r"^```python\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL).group(1)
+    """The ```python block of pgbroker/README.md's "Testing your broker with pytest"."""
+    text = section((REPO / "pgbroker" / "README.md").read_text(), "## Testing your broker with pytest")
+    (example,) = code_blocks(text, "python")
+    return example
 
 
 def test_the_entry_point_is_declared():
