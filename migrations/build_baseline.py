@@ -18,8 +18,8 @@ that ``alembic upgrade head`` builds the same catalog as loading ``sql/``.
   reference table ``initech.objects`` (skipped with ``-x initech=no``).
 
 After the first release, released revisions never change: every later
-change to ``sql/`` comes with a new, hand-written revision (see README,
-"Development").
+change to ``sql/`` comes with a new, hand-written revision (see
+migrations/README.md, "Revisions").
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""pgbroker: PostgreSQL as the coordination layer of a backend broker.
+"""pgbroker: PostgreSQL as the coordination layer of a backend.
 
-The logic lives in PL/pgSQL in the schema ``pgbroker``; this package applies
-the migrations and wraps the SQL API for Python callers.
+A singleton broker lease with fencing epochs, change fan-out to subscribed
+clients, named locks, semaphores, a key-value store and counters.  The logic
+lives in PL/pgSQL in the schema ``pgbroker``; this package applies the
+migrations and wraps the SQL API for Python callers (see pgbroker/README.md).
 """
 
 from pgbroker.broker import AsyncBroker, Broker, Keepalive, Notification

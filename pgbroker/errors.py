@@ -1,6 +1,6 @@
 """SQLSTATE -> exception class mapping.  The one place that interprets errors.
 
-Every error pgbroker's SQL raises carries a documented SQLSTATE (README,
+Every error pgbroker's SQL raises carries a documented SQLSTATE (sql/README.md,
 "SQLSTATEs").  :func:`translate` turns a psycopg error into the matching
 :class:`PgBrokerError` subclass, chained to the original, without ever parsing
 message text (the one structured field read is :class:`LeaseHeld`'s DETAIL,

@@ -4,15 +4,16 @@
 -- definition of every pgbroker object, each defined once, one area per file:
 --   000 schema, roles, version     100 the lease        200 clients
 --   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
---   600 triggers, watch()          650 named locks      660 semaphores
---   670 key-value store            680 counters         700 views
---   750 console, health, metrics   900 privileges                 950 initech.objects (the optional reference table)
+--   550 sweeping earlier epochs    600 triggers, watch()
+--   650 named locks                660 semaphores       670 key-value store
+--   680 counters                   700 views            750 console, health, metrics
+--   900 privileges                 950 initech.objects (the optional reference table)
 -- migrations/ holds alembic revisions generated from these files
 -- (migrations/build_baseline.py); a test proves both give the same catalog.
 
 CREATE SCHEMA IF NOT EXISTS pgbroker;
 COMMENT ON SCHEMA pgbroker IS
-    'pgbroker: singleton broker leases, broker state and change fan-out, in PL/pgSQL. See README.md.';
+    'pgbroker: singleton broker leases with fencing epochs, change fan-out to subscribed clients, named locks, semaphores, a key-value store and counters, in PL/pgSQL. See sql/README.md.';
 
 -- The version of the installed schema: the alembic revision that built it.
 -- It lets pgbroker (and you) recognise the schema whichever alembic
@@ -26,7 +27,7 @@ AS $$ SELECT 'pgbroker_0001_baseline'::text $$;
 COMMENT ON FUNCTION pgbroker.schema_version() IS
     'The alembic revision id of the installed pgbroker schema (for example pgbroker_0001_baseline). Anyone may call it.';
 
--- Roles are cluster-wide.  Create the three pgbroker roles when they are
+-- Roles are cluster-wide.  Create the four pgbroker roles when they are
 -- missing and remember which ones this installation created, so that a
 -- downgrade drops those and nothing else.
 CREATE TABLE pgbroker.installed (

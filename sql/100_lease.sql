@@ -12,6 +12,13 @@
 -- transaction-level advisory lock, and a deferred constraint trigger turns it
 -- into a session-level lock when the transaction commits.  A claim that fails,
 -- is cancelled or is rolled back therefore never leaves a lock behind.
+--
+-- Everything a broker keeps (its state here; its clients, subscriptions and
+-- pending notifications in later files) carries the epoch that wrote it, and
+-- whatever reads it compares that with the lease's current epoch.  So a new
+-- claim makes all that an earlier epoch left invisible at once, in a time
+-- that does not depend on how much there is, and broker_sweep()
+-- (550_sweep.sql) removes it afterwards in bounded batches.
 
 -- Advisory locks are keyed (class, key) with two int4 values, which PostgreSQL
 -- never confuses with single-bigint advisory locks.  The class is 'pgbr'.
@@ -24,16 +31,28 @@ COMMENT ON FUNCTION pgbroker._lock_class() IS
 
 -- A second session-level lock, 'pgbh' ("held"), follows the lease lock: the
 -- holder of a session lease takes it when its claim commits and drops it when
--- its release commits (or its session ends).  Writers' triggers test it with a
--- try-lock that they drop at once, to write nothing for a broker that is gone
--- (600_triggers.sql).  A claim never try-locks it, so that test can never make
--- a claim fail; at worst the holder waits the microseconds a test lasts.
+-- its release commits (or its session ends).  It is keyed by the epoch, not
+-- the lease: writers' triggers test it, for the epoch of the subscribers they
+-- found, with a try-lock that they drop at once, and write nothing for an
+-- epoch whose holder is gone or was replaced (600_triggers.sql).  A claim
+-- never try-locks it, so that test can never make a claim fail; at worst the
+-- holder waits the microseconds a test lasts.
 CREATE FUNCTION pgbroker._lock_class_alive()
 RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT 1885823592 $$;
 COMMENT ON FUNCTION pgbroker._lock_class_alive() IS
-    'Internal: ''pgbh''; (class, lease lock_key) is held (session level) by the holder of a session lease while it holds it.';
+    'Internal: ''pgbh''; (class, _epoch_key(epoch)) is held (session level) by the holder of a session lease''s epoch while it holds it.';
+
+-- The second key of an epoch's "held" lock: its low 31 bits.  Two epochs
+-- share a key only 2^31 claims apart (epochs come from one sequence), and an
+-- earlier epoch's rows are swept long before that.
+CREATE FUNCTION pgbroker._epoch_key(p_epoch bigint)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT (p_epoch & 2147483647)::integer $$;
+COMMENT ON FUNCTION pgbroker._epoch_key(bigint) IS
+    'Internal: the second key of the ''pgbh'' lock of epoch p_epoch (its low 31 bits).';
 
 CREATE FUNCTION pgbroker._my_backend_start()
 RETURNS timestamptz
@@ -115,7 +134,7 @@ COMMENT ON COLUMN pgbroker.lease.session_locked IS 'Internal: whether the sessio
 -- replication), so its sequence can be behind the old primary's.  Every
 -- promotion starts a new WAL timeline, so the epoch carries the timeline in
 -- its high bits: epoch = (timeline - 1) * 2^40 + n, n from the sequence.
--- On timeline 1 the epochs are 1, 2, 3...; after a failover every epoch
+-- On timeline 1 the epochs are the sequence's values; after a failover every epoch
 -- compares greater than any the old primary handed out, as one bigint.
 CREATE SEQUENCE pgbroker.lease_epoch_seq AS bigint MAXVALUE 1099511627775;
 COMMENT ON SEQUENCE pgbroker.lease_epoch_seq IS
@@ -176,25 +195,27 @@ COMMENT ON COLUMN pgbroker.lease_event.reason IS 'Why: who took over from whom, 
 -- ---------------------------------------------------------------------------
 -- Broker state: a small key/value store per lease, written only by the
 -- holder, wiped by every new claim.
+-- Keyed by epoch too, so that a new epoch's writes never meet (nor wait for)
+-- the rows an earlier one left, which broker_sweep() deletes.
 CREATE TABLE pgbroker.state (
     name text NOT NULL REFERENCES pgbroker.lease (name) ON DELETE CASCADE,
-    key text NOT NULL,
     epoch bigint NOT NULL,
+    key text NOT NULL,
     value jsonb NOT NULL,
     updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
-    PRIMARY KEY (name, key)
+    PRIMARY KEY (name, epoch, key)
 );
 COMMENT ON TABLE pgbroker.state IS
-    'Key/value state of the current broker of each lease, wiped when a new epoch is claimed. Internal: use broker_state_set() and the view pgbroker.broker_state.';
+    'Key/value state of the current broker of each lease; what earlier epochs wrote is invisible and swept by broker_sweep(). Internal: use broker_state_set() and the view pgbroker.broker_state.';
 COMMENT ON COLUMN pgbroker.state.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.state.key IS 'Key.';
-COMMENT ON COLUMN pgbroker.state.epoch IS 'Epoch of the broker that wrote it; rows of earlier epochs are deleted by the next claim.';
+COMMENT ON COLUMN pgbroker.state.epoch IS 'Epoch of the broker that wrote it; rows of earlier epochs are invisible and swept by broker_sweep().';
 COMMENT ON COLUMN pgbroker.state.value IS 'Value.';
 COMMENT ON COLUMN pgbroker.state.updated_at IS 'When it was last set.';
 
 -- ---------------------------------------------------------------------------
 -- Errors.  Every error a user can hit is raised here or by PostgreSQL with a
--- documented SQLSTATE (README: "SQLSTATEs").
+-- documented SQLSTATE (sql/README.md, "SQLSTATEs").
 
 CREATE FUNCTION pgbroker._check_name(p_name text)
 RETURNS text
@@ -307,7 +328,7 @@ BEGIN
                          'take over a hung holder (stale_after => interval), or terminate it (takeover => true, pgbroker_admin only).';
     ELSE
         -- The lock is held by a session that is not the recorded holder: a claim
-        -- of that session is committing right now, or a stray lock (see README).
+        -- of that session is committing right now, or a stray lock (sql/README.md, "Internals").
         RAISE EXCEPTION 'lease "%" is locked by pid %, which is not its recorded holder (a claim committing now, or a stray lock)',
                 p_name, v_pid
             USING ERRCODE = 'lock_not_available',
@@ -392,10 +413,12 @@ BEGIN
     IF v_want THEN
         -- We hold the transaction-level lock, so this succeeds at once.
         PERFORM pg_advisory_lock(pgbroker._lock_class(), v_lease.lock_key);
-        PERFORM pg_advisory_lock(pgbroker._lock_class_alive(), v_lease.lock_key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_alive(), pgbroker._epoch_key(v_lease.epoch));
     ELSE
+        -- (A session that held the lock held it for this epoch: a claim of
+        -- the holder's own session never changes the epoch.)
         PERFORM pg_advisory_unlock(pgbroker._lock_class(), v_lease.lock_key);
-        PERFORM pg_advisory_unlock(pgbroker._lock_class_alive(), v_lease.lock_key);
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_alive(), pgbroker._epoch_key(v_lease.epoch));
     END IF;
     UPDATE pgbroker.lease SET session_locked = v_want WHERE name = NEW.name;
     RETURN NULL;
@@ -435,7 +458,8 @@ BEGIN
            AND l.granted
            AND NOT EXISTS (
                    SELECT FROM pgbroker.lease r
-                    WHERE r.lock_key = l.objid::integer
+                    WHERE CASE WHEN l.classid = pgbroker._lock_class()::oid THEN r.lock_key
+                               ELSE pgbroker._epoch_key(r.epoch) END = l.objid::integer
                       AND (   -- claimed: committed (session lock) or in this transaction (xact lock)
                               (r.state = 'held' AND r.expires_at IS NULL AND r.holder_pid = pg_backend_pid()
                                AND r.holder_backend_start = pgbroker._my_backend_start())
@@ -450,32 +474,6 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_sweep() IS
     'Internal: release session-level pgbroker locks of this backend that no lease row accounts for (stray locks).';
-
--- ---------------------------------------------------------------------------
--- A new epoch wipes what earlier epochs left.  Every area that keeps state
--- per epoch (broker state here; clients, interest and the outbox in later
--- files) adds its own AFTER UPDATE OF epoch trigger on pgbroker.lease, named
--- _NNN_clear_<what>, that runs this function on its table, so that each area
--- owns the clean-up of its tables.
-CREATE FUNCTION pgbroker._lease_clear_epochs()
-RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    -- TG_ARGV[0]: a table of schema pgbroker with columns name and epoch.
-    EXECUTE format('DELETE FROM pgbroker.%I WHERE name = $1 AND epoch < $2', TG_ARGV[0]) USING NEW.name, NEW.epoch;
-    RETURN NULL;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._lease_clear_epochs() IS
-    'Internal (trigger on pgbroker.lease, argument: a table name): delete the rows that a lease''s earlier epochs left in that table.';
-
-CREATE TRIGGER _100_clear_state
-AFTER UPDATE OF epoch ON pgbroker.lease
-FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._lease_clear_epochs('state');
-COMMENT ON TRIGGER _100_clear_state ON pgbroker.lease IS 'A new epoch deletes the broker state of earlier ones.';
 
 -- ---------------------------------------------------------------------------
 -- Terminating a holder.
@@ -805,14 +803,14 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_claim(text, interval, boolean, interval, text, text, interval) IS
-$$Claim the broker lease NAME for this session and return its new epoch (the fencing token).
+$$Claim the broker lease NAME for this session (with ttl: for the OWNER token, from any session) and return its new epoch (the fencing token).
 wait: '0' fails at once with 55P03 if another session holds it; an interval blocks up to that long; NULL blocks until the holder's session ends.
 takeover => true (the login role must be a member of pgbroker_admin, else 42501): terminate the holder, then claim.
 stale_after: terminate a holder whose last broker_heartbeat() is older than this (checked again while waiting), then claim.
 info: free text recorded with the holder (for example the hostname).
 owner: a token identifying the caller (1 to 200 bytes, for example a UUID). A re-claim from the session that holds the lease returns its epoch only with the same owner; a bare re-claim, or one with another owner, fails with PB003 (through a pooler in transaction mode that is another caller).
 ttl (with owner): a TTL lease, held with no session lock until ttl from now; renew it with broker_renew() (or a claim with the same owner and ttl), release it with broker_release(name, owner). It works through any pooler.
-Also deletes the broker state, clients, subscriptions and pending notifications of earlier epochs.
+The broker state, clients, subscriptions and pending notifications of earlier epochs become invisible at once, whatever their number; broker_sweep() removes them.
 The claim follows its transaction: it takes effect at commit and leaves no lock behind on error or rollback.$$;
 
 CREATE FUNCTION pgbroker.broker_release(name text DEFAULT 'default', owner text DEFAULT NULL)
@@ -971,7 +969,7 @@ AS $$
 $$;
 COMMENT ON FUNCTION pgbroker.broker_alive(text) IS
 $$True when lease NAME is held and alive: a TTL lease not yet expired, a session lease whose holder's session exists and holds the lock; false otherwise (also for an unknown name).
-Any pgbroker role may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;
+pgbroker_reader and pgbroker_broker may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;
 
 -- ---------------------------------------------------------------------------
 -- Broker state API.
@@ -1011,14 +1009,14 @@ BEGIN
     IF broker_state_set.key IS NULL OR broker_state_set.value IS NULL THEN
         RAISE EXCEPTION 'key and value must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    INSERT INTO pgbroker.state AS s (name, key, epoch, value)
-    VALUES (broker_state_set.name, broker_state_set.key, v_epoch, broker_state_set.value)
+    INSERT INTO pgbroker.state AS s (name, epoch, key, value)
+    VALUES (broker_state_set.name, v_epoch, broker_state_set.key, broker_state_set.value)
     ON CONFLICT ON CONSTRAINT state_pkey
-    DO UPDATE SET value = excluded.value, epoch = excluded.epoch, updated_at = clock_timestamp();
+    DO UPDATE SET value = excluded.value, updated_at = clock_timestamp();
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_state_set(text, text, jsonb) IS
-    'Holder only (PB001 otherwise): set KEY to VALUE in the state of lease NAME. The state is wiped by the next claim.';
+    'Holder only (PB001 otherwise): set KEY to VALUE in the state of lease NAME. The next claim starts with an empty state.';
 
 CREATE FUNCTION pgbroker.broker_state_delete(name text, key text)
 RETURNS boolean
@@ -1026,9 +1024,11 @@ LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_epoch bigint := pgbroker._holder_epoch(broker_state_delete.name);
 BEGIN
-    PERFORM pgbroker._holder_epoch(broker_state_delete.name);
-    DELETE FROM pgbroker.state s WHERE s.name = broker_state_delete.name AND s.key = broker_state_delete.key;
+    DELETE FROM pgbroker.state s
+     WHERE s.name = broker_state_delete.name AND s.epoch = v_epoch AND s.key = broker_state_delete.key;
     RETURN FOUND;
 END
 $$;

@@ -4,8 +4,11 @@
 -- them (view pgbroker.clients) and triggers can work out who must hear about
 -- a change.  Only the current holder of the lease may change its clients:
 -- either from its own session, or from any session that passes the holder's
--- current epoch (checked like broker_assert()).  A new claim wipes the clients
--- of earlier epochs (trigger _200_clear_clients, below).
+-- current epoch (checked like broker_assert()).  Clients belong to the epoch
+-- that registered them: a new claim makes those of earlier epochs invisible
+-- at once (every reader compares the epoch), and broker_sweep() deletes them.
+-- A broker that restarts registers its clients again, many per call with
+-- client_register_many().
 
 CREATE TABLE pgbroker.client (
     client_key bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -15,16 +18,17 @@ CREATE TABLE pgbroker.client (
     info jsonb NOT NULL DEFAULT '{}',
     registered_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
-    CONSTRAINT client_id_unique UNIQUE (name, client_id),
+    -- Per epoch: a new epoch registers its clients beside an earlier one's,
+    -- never touching (nor waiting for) the rows the sweep deletes.
+    CONSTRAINT client_id_unique UNIQUE (name, epoch, client_id),
     CONSTRAINT client_id_valid CHECK (client_id <> '' AND octet_length(client_id) <= 200)
 );
-CREATE INDEX client_name_epoch ON pgbroker.client (name, epoch);
 COMMENT ON TABLE pgbroker.client IS
     'Clients registered by the broker of each lease. Internal: use client_register() and the view pgbroker.clients.';
-COMMENT ON COLUMN pgbroker.client.client_key IS 'Internal number of the client; outbox target lists hold these.';
+COMMENT ON COLUMN pgbroker.client.client_key IS 'Internal number of the client (of one epoch); subscriptions refer to it.';
 COMMENT ON COLUMN pgbroker.client.name IS 'Lease name of the broker the client is connected to.';
-COMMENT ON COLUMN pgbroker.client.epoch IS 'Epoch of the broker that registered it; a new claim deletes clients of earlier epochs.';
-COMMENT ON COLUMN pgbroker.client.client_id IS 'Identifier given by the broker (1 to 200 bytes), unique per broker.';
+COMMENT ON COLUMN pgbroker.client.epoch IS 'Epoch of the broker that registered it; clients of earlier epochs are invisible and swept by broker_sweep().';
+COMMENT ON COLUMN pgbroker.client.client_id IS 'Identifier given by the broker (1 to 200 bytes), unique per broker and epoch.';
 COMMENT ON COLUMN pgbroker.client.info IS 'What the broker knows of the client (address, version...).';
 COMMENT ON COLUMN pgbroker.client.registered_at IS 'When it was registered.';
 COMMENT ON COLUMN pgbroker.client.updated_at IS 'When its info last changed.';
@@ -48,7 +52,7 @@ $$;
 COMMENT ON FUNCTION pgbroker._acting_epoch(text, bigint) IS
     'Internal: the epoch the caller acts for: its own lease (p_epoch NULL) or p_epoch after a broker_assert().';
 
-CREATE FUNCTION pgbroker._client_key(p_name text, p_client_id text)
+CREATE FUNCTION pgbroker._client_key(p_name text, p_epoch bigint, p_client_id text)
 RETURNS bigint
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -56,7 +60,8 @@ AS $$
 DECLARE
     v_key bigint;
 BEGIN
-    SELECT client_key INTO v_key FROM pgbroker.client WHERE name = p_name AND client_id = p_client_id;
+    SELECT client_key INTO v_key FROM pgbroker.client
+     WHERE name = p_name AND epoch = p_epoch AND client_id = p_client_id;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'client "%" is not registered with broker "%"', p_client_id, p_name
             USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register().';
@@ -64,8 +69,59 @@ BEGIN
     RETURN v_key;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._client_key(text, text) IS
-    'Internal: the client_key of a registered client, PB010 when unknown.';
+COMMENT ON FUNCTION pgbroker._client_key(text, bigint, text) IS
+    'Internal: the client_key of a client registered in epoch p_epoch, PB010 when unknown.';
+
+-- Client ids as the one-row calls check them, NULL first (22004), then the
+-- length (22023); p_what names the argument (client_id, client_ids[3]).
+CREATE FUNCTION pgbroker._check_client_id(p_client_id text, p_what text)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF p_client_id IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', p_what USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF p_client_id = '' OR pg_catalog.octet_length(p_client_id) > 200 THEN
+        RAISE EXCEPTION '% must be 1 to 200 bytes long, got % bytes', p_what, pg_catalog.octet_length(p_client_id)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN p_client_id;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._check_client_id(text, text) IS
+    'Internal: validate a client id (22004 when NULL, 22023 unless 1 to 200 bytes); p_what names it in the message.';
+
+-- The arrays of a set-based call, described by array_ndims() and
+-- cardinality() (NULL for a NULL array): the first one-dimensional (or empty)
+-- and not NULL; the other one, unless absent where that is allowed, of the
+-- same length.  22004 for a NULL array, 22023 otherwise.  Returns the length.
+CREATE FUNCTION pgbroker._check_arrays(p_what text, p_ndims integer, p_n integer,
+                                       p_other_what text, p_other_ndims integer, p_other_n integer,
+                                       p_other_optional boolean)
+RETURNS integer
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF p_n IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', p_what USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF p_other_n IS NULL AND NOT p_other_optional THEN
+        RAISE EXCEPTION '% must not be NULL', p_other_what USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF p_ndims > 1 OR p_other_ndims > 1 THEN
+        RAISE EXCEPTION '% must be one-dimensional arrays', concat_ws(' and ', p_what, p_other_what)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_other_n <> p_n THEN
+        RAISE EXCEPTION '% has % elements and % has %: they must be of the same length', p_what, p_n, p_other_what, p_other_n
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN p_n;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._check_arrays(text, integer, integer, text, integer, integer, boolean) IS
+    'Internal: check the arrays of a set-based call (not NULL, one-dimensional, of the same length); returns the length.';
 
 CREATE FUNCTION pgbroker.client_register(client_id text, info jsonb DEFAULT '{}', name text DEFAULT 'default', epoch bigint DEFAULT NULL)
 RETURNS boolean
@@ -78,13 +134,7 @@ DECLARE
     v_epoch bigint := pgbroker._acting_epoch(v_name, client_register.epoch);
     v_inserted boolean;
 BEGIN
-    IF client_register.client_id IS NULL THEN
-        RAISE EXCEPTION 'client_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    IF client_register.client_id = '' OR octet_length(client_register.client_id) > 200 THEN
-        RAISE EXCEPTION 'client_id must be 1 to 200 bytes long, got % bytes', octet_length(client_register.client_id)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
+    PERFORM pgbroker._check_client_id(client_register.client_id, 'client_id');
     INSERT INTO pgbroker.client AS c (name, epoch, client_id, info)
     VALUES (v_name, v_epoch, client_register.client_id, coalesce(client_register.info, '{}'))
     ON CONFLICT ON CONSTRAINT client_id_unique
@@ -94,9 +144,57 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_register(text, jsonb, text, bigint) IS
-$$Broker only: register client CLIENT_ID (1 to 200 bytes) with INFO (address, version...) for lease NAME.
+$$Holder only: register client CLIENT_ID (1 to 200 bytes) with INFO (address, version...) for lease NAME.
 Call it from the holder's session, or from another session passing the holder's current EPOCH.
 Returns true when the client is new, false when it was registered already (its info is then replaced).$$;
+
+CREATE FUNCTION pgbroker.client_register_many(client_ids text[], infos jsonb[] DEFAULT NULL, name text DEFAULT 'default',
+                                              epoch bigint DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(client_register_many.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_register_many.epoch);
+    v_bad integer;
+    v_new bigint;
+BEGIN
+    PERFORM pgbroker._check_arrays('client_ids', array_ndims(client_register_many.client_ids),
+                                   cardinality(client_register_many.client_ids),
+                                   'infos', array_ndims(client_register_many.infos), cardinality(client_register_many.infos),
+                                   true);
+    -- The first bad id, with the error the one-row call gives, naming its position.
+    SELECT min(u.i) INTO v_bad
+      FROM unnest(client_register_many.client_ids) WITH ORDINALITY AS u(id, i)
+     WHERE u.id IS NULL OR u.id = '' OR octet_length(u.id) > 200;
+    IF v_bad IS NOT NULL THEN
+        PERFORM pgbroker._check_client_id(client_register_many.client_ids[v_bad], format('client_ids[%s]', v_bad));
+    END IF;
+    -- One statement; an id given twice counts once and keeps its last info,
+    -- as one-row calls in that order would leave it.
+    -- (Arrays are read with unnest, never subscripted: subscripting an array
+    -- of variable-length values costs time in proportion to the position.)
+    WITH given AS (
+        SELECT DISTINCT ON (u.id) u.id, coalesce(u.info, '{}') AS info
+          FROM unnest(client_register_many.client_ids, client_register_many.infos) WITH ORDINALITY AS u(id, info, i)
+         ORDER BY u.id, u.i DESC
+    ), registered AS (
+        INSERT INTO pgbroker.client AS c (name, epoch, client_id, info)
+        SELECT v_name, v_epoch, g.id, g.info FROM given g
+        ON CONFLICT ON CONSTRAINT client_id_unique
+        DO UPDATE SET info = excluded.info, updated_at = clock_timestamp()
+        RETURNING (c.xmax = 0) AS inserted
+    )
+    SELECT count(*) FILTER (WHERE inserted) INTO v_new FROM registered;
+    RETURN v_new;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.client_register_many(text[], jsonb[], text, bigint) IS
+$$Holder only: register every client of CLIENT_IDS for lease NAME in one statement, client_ids[i] with info INFOS[i] ('{}' when INFOS or it is NULL); returns how many were new.
+As client_register() otherwise: from the holder's session or with the holder's current EPOCH; a client registered already gets its info replaced; an id given twice counts once and keeps its last info.
+22004 / 22023 for a NULL, empty or too long id, naming its position (client_ids[3]), or for arrays of different lengths; nothing of the call is kept then.$$;
 
 CREATE FUNCTION pgbroker.client_update(client_id text, info jsonb, name text DEFAULT 'default', epoch bigint DEFAULT NULL)
 RETURNS void
@@ -106,16 +204,15 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(client_update.name);
-    v_key bigint;
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_update.epoch);
+    v_key bigint := pgbroker._client_key(v_name, v_epoch, client_update.client_id);
 BEGIN
-    PERFORM pgbroker._acting_epoch(v_name, client_update.epoch);
-    v_key := pgbroker._client_key(v_name, client_update.client_id);
     UPDATE pgbroker.client SET info = coalesce(client_update.info, '{}'), updated_at = clock_timestamp()
      WHERE client_key = v_key;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_update(text, jsonb, text, bigint) IS
-    'Broker only: replace the info of registered client CLIENT_ID (PB010 when unknown).';
+    'Holder only: replace the info of registered client CLIENT_ID (PB010 when unknown).';
 
 CREATE FUNCTION pgbroker.client_unregister(client_id text, name text DEFAULT 'default', epoch bigint DEFAULT NULL)
 RETURNS boolean
@@ -125,11 +222,11 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(client_unregister.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_unregister.epoch);
     v_key bigint;
 BEGIN
-    PERFORM pgbroker._acting_epoch(v_name, client_unregister.epoch);
     SELECT client_key INTO v_key FROM pgbroker.client c
-     WHERE c.name = v_name AND c.client_id = client_unregister.client_id;
+     WHERE c.name = v_name AND c.epoch = v_epoch AND c.client_id = client_unregister.client_id;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
@@ -138,12 +235,4 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_unregister(text, text, bigint) IS
-    'Broker only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';
-
--- A new epoch deletes the clients earlier epochs registered (and with them
--- their subscriptions, by the foreign key).
-CREATE TRIGGER _200_clear_clients
-AFTER UPDATE OF epoch ON pgbroker.lease
-FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._lease_clear_epochs('client');
-COMMENT ON TRIGGER _200_clear_clients ON pgbroker.lease IS 'A new epoch deletes the clients of earlier ones.';
+    'Holder only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';

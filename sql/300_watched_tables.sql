@@ -82,10 +82,43 @@ $$;
 COMMENT ON FUNCTION pgbroker._key_settings(regtype[]) IS
     'Internal: the SET clauses the trigger functions of a table with these key types need so that keys encode as _encode_key() does; empty when no key type depends on session settings.';
 
--- Normalise a key given by a caller: a scalar for a one-column key, an array
--- for a composite one; each value cast to its column's type (so '"42"' and
--- '42' are the same key of an integer column).  22023 on a wrong shape,
--- 22P02 and friends on a value that does not cast.
+-- The SQL expression that encodes a key from its parts, P (an SQL
+-- expression of a jsonb array of the key's values in key order): each value
+-- cast to its column's type (so '"42"' and '42' are the same key of an
+-- integer column), then encoded as the triggers encode a row's key.
+CREATE FUNCTION pgbroker._key_expression(p_watch pgbroker.watched, p_parts text)
+RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb((%s->>0)::%s)', p_parts, min(t))
+                ELSE format('jsonb_build_array(%s)', string_agg(format('(%s->>%s)::%s', p_parts, i - 1, t), ', ' ORDER BY i))
+           END
+      FROM unnest(p_watch.key_types::text[]) WITH ORDINALITY AS u(t, i)
+$$;
+COMMENT ON FUNCTION pgbroker._key_expression(pgbroker.watched, text) IS
+    'Internal: the SQL expression that casts the parts of a key (a jsonb array expression) to the key''s types and encodes it.';
+
+-- Whether a key given by a caller has the shape of the table's key: a
+-- scalar for a one-column key, an array of scalars in key order for a
+-- composite one (NULL and JSON null, the whole table, are not keys here).
+CREATE FUNCTION pgbroker._key_shape_ok(p_columns integer, p_key jsonb)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN p_columns = 1 THEN jsonb_typeof(p_key) NOT IN ('object', 'array')
+                WHEN jsonb_typeof(p_key) <> 'array' THEN false
+                ELSE jsonb_array_length(p_key) = p_columns
+                     AND NOT EXISTS (SELECT FROM jsonb_array_elements(p_key) e
+                                      WHERE jsonb_typeof(e) IN ('null', 'object', 'array')) END
+$$;
+COMMENT ON FUNCTION pgbroker._key_shape_ok(integer, jsonb) IS
+    'Internal: whether p_key has the shape of a key of p_columns columns (a scalar, or an array of that many scalars).';
+
+-- Normalise a key given by a caller (see _key_expression); NULL or JSON null
+-- stands for the whole table.  22023 on a wrong shape, 22P02 and friends on
+-- a value that does not cast.
 CREATE FUNCTION pgbroker._encode_key(p_watch pgbroker.watched, p_key jsonb)
 RETURNS jsonb
 LANGUAGE plpgsql
@@ -96,27 +129,84 @@ SET lc_monetary = 'C'
 AS $$
 DECLARE
     v_n integer := cardinality(p_watch.key_columns);
-    v_parts jsonb := CASE WHEN v_n = 1 THEN jsonb_build_array(p_key) ELSE p_key END;
-    v_sql text;
     v_out jsonb;
 BEGIN
     IF p_key IS NULL OR jsonb_typeof(p_key) = 'null' THEN
         RETURN 'null'::jsonb;
     END IF;
-    IF jsonb_typeof(v_parts) <> 'array' OR jsonb_array_length(v_parts) <> v_n
-       OR EXISTS (SELECT FROM jsonb_array_elements(v_parts) e WHERE jsonb_typeof(e) IN ('null', 'object', 'array')) THEN
+    IF NOT pgbroker._key_shape_ok(v_n, p_key) THEN
         RAISE EXCEPTION 'key % does not match the primary key (%) of %', p_key,
                 array_to_string(p_watch.key_columns, ', '), p_watch.table_name
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Give a JSON scalar for a one-column key, a JSON array of scalars in key order for a composite one.';
     END IF;
-    SELECT format('SELECT %s', CASE WHEN v_n = 1 THEN format('to_jsonb(($1->>0)::%s)', min(t)) ELSE
-               format('jsonb_build_array(%s)', string_agg(format('($1->>%s)::%s', i - 1, t), ', ' ORDER BY i)) END)
-      INTO v_sql
-      FROM unnest(p_watch.key_types::text[]) WITH ORDINALITY AS u(t, i);
-    EXECUTE v_sql INTO v_out USING v_parts;
+    EXECUTE format('SELECT %s', pgbroker._key_expression(p_watch, '$1'))
+       INTO v_out USING CASE WHEN v_n = 1 THEN jsonb_build_array(p_key) ELSE p_key END;
     RETURN v_out;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._encode_key(pgbroker.watched, jsonb) IS
     'Internal: the canonical jsonb encoding of a key of the watched table (22023 on a wrong shape).';
+
+-- _encode_key(), its error naming the key's position in a caller's array.
+CREATE FUNCTION pgbroker._encode_key_at(p_watch pgbroker.watched, p_key jsonb, p_position integer)
+RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_state text;
+    v_message text;
+    v_hint text;
+BEGIN
+    RETURN pgbroker._encode_key(p_watch, p_key);
+EXCEPTION WHEN data_exception THEN
+    GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT, v_hint = PG_EXCEPTION_HINT;
+    IF v_hint = '' THEN
+        RAISE EXCEPTION 'keys[%]: %', p_position, v_message USING ERRCODE = v_state;
+    END IF;
+    RAISE EXCEPTION 'keys[%]: %', p_position, v_message USING ERRCODE = v_state, HINT = v_hint;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._encode_key_at(pgbroker.watched, jsonb, integer) IS
+    'Internal: _encode_key(), its error (if any) naming the key''s position in the caller''s array.';
+
+-- The keys of a set-based call, encoded in one statement.  A bad key gets
+-- the error _encode_key gives it, its message naming its position
+-- (keys[3]: ...), so one bad key among thousands is found at once.
+CREATE FUNCTION pgbroker._encode_keys(p_watch pgbroker.watched, p_keys jsonb[])
+RETURNS jsonb[]
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+SET TimeZone = 'UTC' SET IntervalStyle = 'postgres' SET extra_float_digits = 1 SET bytea_output = 'hex'
+SET lc_monetary = 'C'
+AS $$
+DECLARE
+    v_n integer := cardinality(p_watch.key_columns);
+    v_bad integer;
+    v_out jsonb[];
+BEGIN
+    SELECT min(u.i) INTO v_bad FROM unnest(p_keys) WITH ORDINALITY AS u(k, i)
+     WHERE u.k IS NOT NULL AND jsonb_typeof(u.k) <> 'null' AND NOT pgbroker._key_shape_ok(v_n, u.k);
+    IF v_bad IS NULL THEN
+        BEGIN
+            EXECUTE format($q$SELECT array_agg(CASE WHEN u.k IS NULL OR jsonb_typeof(u.k) = 'null' THEN 'null'::jsonb
+                                                   ELSE %s END ORDER BY u.i)
+                                FROM unnest($1) WITH ORDINALITY AS u(k, i)
+                               CROSS JOIN LATERAL (SELECT %s AS parts) p$q$,
+                           pgbroker._key_expression(p_watch, 'p.parts'),
+                           CASE WHEN v_n = 1 THEN 'jsonb_build_array(u.k)' ELSE 'u.k' END)
+               INTO v_out USING p_keys;
+            RETURN coalesce(v_out, '{}');
+        EXCEPTION WHEN data_exception THEN
+            NULL;   -- a value that does not cast: find which one below
+        END;
+    END IF;
+    FOR i IN coalesce(v_bad, 1) .. cardinality(p_keys) LOOP
+        PERFORM pgbroker._encode_key_at(p_watch, p_keys[i], i);
+    END LOOP;
+    RAISE EXCEPTION 'the keys of % do not encode, though each one alone does', p_watch.table_name;  -- cannot happen
+END
+$$;
+COMMENT ON FUNCTION pgbroker._encode_keys(pgbroker.watched, jsonb[]) IS
+    'Internal: _encode_key() of every key of an array, in one statement; a bad key''s error names its position.';

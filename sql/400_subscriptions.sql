@@ -13,6 +13,13 @@
 -- already past their trigger (up to its WAIT) and every later writer either
 -- sees the new interest or finds the lock taken and writes its changes with
 -- the subscribers left to be resolved at fetch time (600_triggers.sql).
+--
+-- Subscriptions and interest belong to an epoch, as clients do: those of an
+-- earlier epoch are invisible (the triggers write nothing for an epoch whose
+-- holder is gone, the views and calls compare the epoch) until
+-- broker_sweep() deletes them; a new epoch's rows never touch theirs.
+-- subscribe_many() makes many subscriptions in one statement, for a broker
+-- whose clients come back after a restart.
 
 CREATE TABLE pgbroker.subscription (
     client_key bigint NOT NULL REFERENCES pgbroker.client (client_key) ON DELETE CASCADE,
@@ -25,7 +32,7 @@ CREATE INDEX subscription_watch ON pgbroker.subscription (watch_id);
 COMMENT ON TABLE pgbroker.subscription IS 'Which client is subscribed to which row (or, with key JSON null, to the whole table). Internal: use subscribe().';
 COMMENT ON COLUMN pgbroker.subscription.client_key IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscription.watch_id IS 'The watched table.';
-COMMENT ON COLUMN pgbroker.subscription.row_key IS 'The row''s key encoded as jsonb (see README), or JSON null for the whole table.';
+COMMENT ON COLUMN pgbroker.subscription.row_key IS 'The row''s key encoded as jsonb (sql/README.md, "Key encoding"), or JSON null for the whole table.';
 COMMENT ON COLUMN pgbroker.subscription.subscribed_at IS 'When.';
 
 -- The subscriptions aggregated per (table, key, broker): what the triggers
@@ -34,6 +41,8 @@ CREATE TABLE pgbroker.interest (
     watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
     row_key jsonb NOT NULL,
     name text NOT NULL,
+    -- In the key: a new epoch's subscribers get rows of their own beside the
+    -- earlier epoch's, which the sweep deletes without anyone waiting for it.
     epoch bigint NOT NULL,
     -- The broker's lease lock_key, so that the triggers test whether it is
     -- alive and wake it without looking its lease up.
@@ -41,14 +50,14 @@ CREATE TABLE pgbroker.interest (
     -- client_ids, not client_keys: what the broker needs, copied as is into
     -- the outbox (a lookup per client at fetch time cost the broker ~3 µs each).
     clients text[] NOT NULL,
-    PRIMARY KEY (watch_id, row_key, name)
+    PRIMARY KEY (watch_id, row_key, name, epoch)
 );
-CREATE INDEX interest_name ON pgbroker.interest (name);
+CREATE INDEX interest_name_epoch ON pgbroker.interest (name, epoch);
 COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_ids per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
 COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
 COMMENT ON COLUMN pgbroker.interest.name IS 'The broker (lease name) of these clients.';
-COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch.';
+COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch: rows of an earlier epoch than the lease''s are invisible and swept by broker_sweep().';
 COMMENT ON COLUMN pgbroker.interest.lock_key IS 'Its lease''s lock_key (liveness test and wake-up channel of the triggers).';
 COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed clients, in subscription order.';
 
@@ -63,11 +72,12 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_name text;
+    v_epoch bigint;
     v_client_id text;
     v_watch_ids integer[];
     v_row_keys jsonb[];
 BEGIN
-    SELECT c.name, c.client_id INTO v_name, v_client_id FROM pgbroker.client c WHERE c.client_key = p_client;
+    SELECT c.name, c.epoch, c.client_id INTO v_name, v_epoch, v_client_id FROM pgbroker.client c WHERE c.client_key = p_client;
     WITH mine AS (
         DELETE FROM pgbroker.subscription s
          WHERE s.client_key = p_client
@@ -77,7 +87,7 @@ BEGIN
         UPDATE pgbroker.interest i
            SET clients = array_remove(i.clients, v_client_id)
           FROM mine m
-         WHERE i.watch_id = m.watch_id AND i.row_key = m.row_key AND i.name = v_name
+         WHERE i.watch_id = m.watch_id AND i.row_key = m.row_key AND i.name = v_name AND i.epoch = v_epoch
         RETURNING i.watch_id, i.row_key, i.clients
     )
     SELECT array_agg(s.watch_id), array_agg(s.row_key) INTO v_watch_ids, v_row_keys
@@ -85,11 +95,47 @@ BEGIN
     -- A row can change only once per statement: drop the emptied ones now.
     DELETE FROM pgbroker.interest i
      USING unnest(v_watch_ids, v_row_keys) AS e(watch_id, row_key)
-     WHERE i.watch_id = e.watch_id AND i.row_key = e.row_key AND i.name = v_name AND cardinality(i.clients) = 0;
+     WHERE i.watch_id = e.watch_id AND i.row_key = e.row_key AND i.name = v_name AND i.epoch = v_epoch
+       AND cardinality(i.clients) = 0;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._interest_remove(bigint, integer, jsonb) IS
     'Internal: drop subscriptions of a client (one, or all when p_watch_id is NULL) and shrink pgbroker.interest.';
+
+-- Before subscribing to a table: its triggers must be in place (a
+-- subscription to a table whose triggers are gone or disabled would never
+-- hear of a change: triggers dropped by hand, or a dropped watched table
+-- whose oid a new table reused), then the watch lock, exclusive against
+-- writers' triggers (a shared try-lock they hold to commit): writers that
+-- already read the interest without us commit first; later ones either see
+-- us or, finding the lock taken, leave their subscribers to be resolved at
+-- fetch time.  They never queue behind this request.  Held to commit.
+CREATE FUNCTION pgbroker._subscribe_lock(p_watch pgbroker.watched, p_table regclass, p_wait interval)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    IF (SELECT count(*) FROM pg_catalog.pg_trigger t
+         WHERE t.tgrelid = p_watch.relid AND t.tgenabled <> 'D'
+           AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')) <> 4 THEN
+        RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', p_table
+            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
+    END IF;
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), p_watch.watch_id);
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', p_watch.table_name, p_wait
+            USING ERRCODE = 'PB022', HINT = 'Retry, or pass a longer wait.';
+    END;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._subscribe_lock(pgbroker.watched, regclass, interval) IS
+    'Internal: check a watched table''s triggers (PB021), then take its watch lock exclusively to commit, waiting at most p_wait for writers (PB022).';
 
 CREATE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
                                    name text DEFAULT 'default', epoch bigint DEFAULT NULL,
@@ -102,33 +148,11 @@ AS $$
 DECLARE
     v_name text := pgbroker._check_name(subscribe.name);
     v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe.epoch);
-    v_client bigint := pgbroker._client_key(v_name, subscribe.client_id);
+    v_client bigint := pgbroker._client_key(v_name, v_epoch, subscribe.client_id);
     v_watch pgbroker.watched := pgbroker._watch_of(subscribe."table");
     v_key jsonb := pgbroker._encode_key(v_watch, subscribe.key);
-    v_timeout text := current_setting('lock_timeout');
 BEGIN
-    -- A subscription to a table whose triggers are gone or disabled would
-    -- never hear of a change (triggers dropped by hand, or a dropped watched
-    -- table whose oid a new table reused).
-    IF (SELECT count(*) FROM pg_catalog.pg_trigger t
-         WHERE t.tgrelid = v_watch.relid AND t.tgenabled <> 'D'
-           AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')) <> 4 THEN
-        RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', subscribe."table"
-            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
-    END IF;
-    -- Exclusive against writers' triggers (a shared try-lock they hold to
-    -- commit): writers that already read the interest without us commit
-    -- first; later ones either see us or, finding the lock taken, leave
-    -- their subscribers to be resolved at fetch time.  They never queue
-    -- behind this request.
-    BEGIN
-        PERFORM set_config('lock_timeout', pgbroker._wait_ms(subscribe.wait), true);
-        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), v_watch.watch_id);
-        PERFORM set_config('lock_timeout', v_timeout, true);
-    EXCEPTION WHEN lock_not_available THEN
-        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', v_watch.table_name, subscribe.wait
-            USING ERRCODE = 'PB022', HINT = 'Retry, or pass a longer wait.';
-    END;
+    PERFORM pgbroker._subscribe_lock(v_watch, subscribe."table", subscribe.wait);
     INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
     VALUES (v_client, v_watch.watch_id, v_key)
     ON CONFLICT DO NOTHING;
@@ -138,16 +162,77 @@ BEGIN
     INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
     VALUES (v_watch.watch_id, v_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
             ARRAY[subscribe.client_id])
-    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || subscribe.client_id, epoch = excluded.epoch;
+    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || subscribe.client_id;
     RETURN true;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval) IS
-$$Broker only: subscribe client CLIENT_ID to the row of watched TABLE whose primary key is KEY (jsonb: a scalar for a
+$$Holder only: subscribe client CLIENT_ID to the row of watched TABLE whose primary key is KEY (jsonb: a scalar for a
 one-column key, an array in key order for a composite one), or to the whole table when KEY is NULL.
 No gap: once it returns, every change that commits later is in the outbox, so a client that subscribes and then reads
 the row misses nothing. Waits up to WAIT for writer transactions already past their trigger (PB022 after that);
 writers never wait for it. Returns false when the subscription existed. PB010 unknown client, PB021 table not watched, 22023 bad key.$$;
+
+CREATE FUNCTION pgbroker.subscribe_many(client_ids text[], "table" regclass, keys jsonb[], name text DEFAULT 'default',
+                                        epoch bigint DEFAULT NULL, wait interval DEFAULT '5 s')
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe_many.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe_many.epoch);
+    v_n integer := pgbroker._check_arrays('client_ids', array_ndims(subscribe_many.client_ids),
+                                          cardinality(subscribe_many.client_ids), 'keys', array_ndims(subscribe_many.keys),
+                                          cardinality(subscribe_many.keys), false);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe_many."table");
+    v_keys jsonb[] := pgbroker._encode_keys(v_watch, subscribe_many.keys);
+    v_bad integer;
+    v_new bigint;
+BEGIN
+    -- Every client known in this epoch, or the error subscribe() gives for
+    -- the first that is not, naming its position.  (Arrays are read with
+    -- unnest, never subscripted: subscripting an array of variable-length
+    -- values costs time in proportion to the position.)
+    SELECT min(u.i) INTO v_bad
+      FROM unnest(subscribe_many.client_ids) WITH ORDINALITY AS u(id, i)
+     WHERE NOT EXISTS (SELECT FROM pgbroker.client c WHERE c.name = v_name AND c.epoch = v_epoch AND c.client_id = u.id);
+    IF v_bad IS NOT NULL THEN
+        RAISE EXCEPTION 'client "%" (client_ids[%]) is not registered with broker "%"',
+                subscribe_many.client_ids[v_bad], v_bad, v_name
+            USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register() or client_register_many().';
+    END IF;
+    PERFORM pgbroker._subscribe_lock(v_watch, subscribe_many."table", subscribe_many.wait);
+    -- One statement, one round of the watch lock, whatever the number: the
+    -- new subscriptions (a pair given twice counts once), then their ids
+    -- appended to the interest of their key, in the order given.
+    WITH given AS (
+        SELECT c.client_key, u.id, u.row_key, min(u.i) AS i
+          FROM unnest(subscribe_many.client_ids, v_keys) WITH ORDINALITY AS u(id, row_key, i)
+          JOIN pgbroker.client c ON c.name = v_name AND c.epoch = v_epoch AND c.client_id = u.id
+         GROUP BY c.client_key, u.id, u.row_key
+    ), added AS (
+        INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
+        SELECT g.client_key, v_watch.watch_id, g.row_key FROM given g
+        ON CONFLICT DO NOTHING
+        RETURNING client_key, row_key
+    ), interest AS (
+        INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
+        SELECT v_watch.watch_id, a.row_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
+               array_agg(g.id ORDER BY g.i)
+          FROM added a
+          JOIN given g ON g.client_key = a.client_key AND g.row_key = a.row_key
+         GROUP BY a.row_key
+        ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || excluded.clients
+    )
+    SELECT count(*) INTO v_new FROM added;
+    RETURN v_new;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.subscribe_many(text[], regclass, jsonb[], text, bigint, interval) IS
+$$Holder only: subscribe client CLIENT_IDS[i] to the row of watched TABLE whose key is KEYS[i] (NULL: the whole table), for every i, in one statement; returns how many subscriptions were new.
+As subscribe() otherwise, with one wait for the table's writers per call: no gap; PB010 for an unknown client, 22023 (or the cast's own SQLSTATE) for a bad key, each naming its position (client_ids[3], keys[3]); 22004 / 22023 for NULL arrays or arrays of different lengths; PB021, PB022 as subscribe(). Nothing of the call is kept when it fails.$$;
 
 CREATE FUNCTION pgbroker.unsubscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
                                      name text DEFAULT 'default', epoch bigint DEFAULT NULL)
@@ -159,7 +244,7 @@ AS $$
 DECLARE
     v_name text := pgbroker._check_name(unsubscribe.name);
     v_epoch bigint := pgbroker._acting_epoch(v_name, unsubscribe.epoch);
-    v_client bigint := pgbroker._client_key(v_name, unsubscribe.client_id);
+    v_client bigint := pgbroker._client_key(v_name, v_epoch, unsubscribe.client_id);
     v_watch pgbroker.watched := pgbroker._watch_of(unsubscribe."table");
     v_key jsonb := pgbroker._encode_key(v_watch, unsubscribe.key);
 BEGIN
@@ -172,14 +257,14 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
-    'Broker only: drop the subscription of CLIENT_ID to KEY of TABLE (NULL: the whole-table one); false when there was none.';
+    'Holder only: drop the subscription of CLIENT_ID to KEY of TABLE (NULL: the whole-table one); false when there was none.';
 
 -- ---------------------------------------------------------------------------
 -- Keeping the interest in step with the client registry.
 
 -- An unregistered client leaves the interest of its broker's current epoch.
--- (The clients of earlier epochs are deleted by a new claim, which deletes
--- their whole interest at once: trigger _400_clear_interest, below.)
+-- (The clients of earlier epochs are deleted by broker_sweep(), after the
+-- interest they made.)
 CREATE FUNCTION pgbroker._interest_drop_client()
 RETURNS trigger
 LANGUAGE plpgsql
@@ -199,10 +284,3 @@ CREATE TRIGGER _400_drop_interest
 BEFORE DELETE ON pgbroker.client
 FOR EACH ROW EXECUTE FUNCTION pgbroker._interest_drop_client();
 COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'An unregistered client leaves the interest its subscriptions made.';
-
--- A new epoch deletes the interest of earlier ones.
-CREATE TRIGGER _400_clear_interest
-AFTER UPDATE OF epoch ON pgbroker.lease
-FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._lease_clear_epochs('interest');
-COMMENT ON TRIGGER _400_clear_interest ON pgbroker.lease IS 'A new epoch deletes the interest of earlier ones.';

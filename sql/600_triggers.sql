@@ -66,16 +66,17 @@ RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$
         WITH live AS MATERIALIZED (
-            SELECT l.name FROM pgbroker.lease l
+            SELECT l.name, l.epoch FROM pgbroker.lease l
              WHERE l.state = 'held' AND l.expires_at IS NULL
-               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j WHERE j.watch_id = {{watch_id}} AND j.name = l.name)
+               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
+                                      WHERE j.watch_id = {{watch_id}} AND j.name = l.name AND j.epoch = l.epoch)
                         THEN {{alive_and_woken:l}} END)
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
           FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, {{changed_late}} AS changed
                   FROM ({{keyed}} OFFSET 0) k
                   JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
-                  JOIN live ON live.name = i.name
+                  JOIN live ON live.name = i.name AND live.epoch = i.epoch
                 OFFSET 0) z  -- compared after the join: only subscribed rows' columns
          WHERE z.op <> 'U' OR cardinality(z.changed) > 0$t$
 $template$;
@@ -83,7 +84,7 @@ COMMENT ON FUNCTION pgbroker._watch_bulk_template() IS
     'Internal: template of the INSERT ... SELECT by which the watch triggers fan out the changes of a large statement.';
 
 -- Tables with whole-table subscribers: each change's subscribers merged with
--- those, per broker.
+-- those, per broker and epoch.
 CREATE FUNCTION pgbroker._watch_merged_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
@@ -101,24 +102,27 @@ AS $template$ SELECT $t$
                       CASE WHEN w.clients IS NULL THEN r.clients
                            ELSE ARRAY(SELECT DISTINCT c FROM unnest(r.clients || w.clients) AS c ORDER BY 1) END
                  FROM pgbroker.interest r
-                 LEFT JOIN whole w ON w.name = r.name
+                 LEFT JOIN whole w ON w.name = r.name AND w.epoch = r.epoch
                 WHERE r.watch_id = {{watch_id}} AND r.row_key = k.row_key
                UNION ALL
                -- ... and the whole-table ones of brokers with no subscriber of the row.
                SELECT w.name, w.epoch, w.lock_key, w.clients
                  FROM whole w
                 WHERE NOT EXISTS (SELECT FROM pgbroker.interest r
-                                   WHERE r.watch_id = {{watch_id}} AND r.row_key = k.row_key AND r.name = w.name)
+                                   WHERE r.watch_id = {{watch_id}} AND r.row_key = k.row_key AND r.name = w.name
+                                     AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE {{alive_and_woken:t}}$t$
 $template$;
 COMMENT ON FUNCTION pgbroker._watch_merged_template() IS
     'Internal: template of the INSERT ... SELECT of a table with whole-table subscribers (merged per change and broker).';
 
--- Whether the holder of the broker of row {{r}} is alive, and if so its
--- wake-up.  Evaluated before the outbox row is written, in this order:
---   - no session holds the lease (the alive lock is free, and this session
---     is not the holder): write nothing;
+-- Whether the holder of the broker of row {{r}} (a lease, or the interest of
+-- one of its epochs) is alive, and if so its wake-up.  Evaluated before the
+-- outbox row is written, in this order:
+--   - no session holds that epoch (its alive lock is free, and this session
+--     is not its holder): the broker is gone, or that epoch was replaced by
+--     a new claim and its rows wait for broker_sweep(): write nothing;
 --   - the broker is going to sleep (broker_sleep() holds or awaits the drain
 --     lock): NOTIFY it;
 --   - it sleeps (the awake lock is free): NOTIFY it, holding the drain lock
@@ -131,11 +135,11 @@ CREATE FUNCTION pgbroker._watch_alive_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), {{r}}.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), {{r}}.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = {{r}}.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = {{r}}.lock_key AND h.epoch = {{r}}.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), {{r}}.lock_key)
@@ -200,7 +204,7 @@ COMMENT ON FUNCTION pgbroker._watch_trigger_template() IS
     'Internal: template of the INSERT, UPDATE and DELETE trigger functions of a watched table (see sql/600_triggers.sql).';
 
 -- The TRUNCATE trigger function: every client with any interest in the table
--- hears of it, one row per broker.
+-- hears of it, one row per broker (of its live epoch).
 CREATE FUNCTION pgbroker._watch_truncate_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
@@ -213,12 +217,12 @@ BEGIN
         PERFORM set_config('jit', 'off', true);  -- the estimate grows with the table's interest rows
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT t.name, t.epoch, {{watch_id}}, 'T', NULL, NULL, t.clients
-          FROM (SELECT i.name, max(i.epoch) AS epoch, min(i.lock_key) AS lock_key,
+          FROM (SELECT i.name, i.epoch, min(i.lock_key) AS lock_key,
                        ARRAY(SELECT DISTINCT c FROM pgbroker.interest j, unnest(j.clients) AS c
-                              WHERE j.watch_id = {{watch_id}} AND j.name = i.name ORDER BY 1) AS clients
+                              WHERE j.watch_id = {{watch_id}} AND j.name = i.name AND j.epoch = i.epoch ORDER BY 1) AS clients
                   FROM pgbroker.interest i
                  WHERE i.watch_id = {{watch_id}}
-                 GROUP BY i.name) t
+                 GROUP BY i.name, i.epoch) t
          WHERE {{alive_and_woken:t}};
         PERFORM set_config('jit', v_jit, true);
     ELSE

@@ -226,7 +226,7 @@ $$Take a permit of semaphore NAME, of which at most LIMIT (1 to 1000) are handed
 Session scope: held until semaphore_release(NAME) or the session ends (a crashed holder's permit is free at once).
 WAIT: '0' (the default) tries once and never blocks; an interval waits up to that long; NULL waits as long as it takes; negative: 22023.
 Callers passing different limits: a caller with limit L competes for permits 1..L only. No order among waiters.
-To be woken at once by a release, LISTEN on semaphore_channel(NAME) and retry with WAIT '0' on each notification (see README).$$;
+To be woken at once by a release, LISTEN on semaphore_channel(NAME) and retry with WAIT '0' on each notification (sql/README.md, "Semaphores").$$;
 
 CREATE FUNCTION pgbroker.semaphore_release(name text)
 RETURNS boolean

@@ -1,5 +1,7 @@
 -- pgbroker: the views, the read-only interface for operators, frontends and
--- pgbroker_reader.  Tables are not an interface; these are.
+-- pgbroker_reader.  Tables are not an interface; these are.  A broker's
+-- clients, subscriptions, state and outbox are shown for the lease's current
+-- epoch only: what earlier epochs left is invisible (sweep_backlog counts it).
 
 -- ---------------------------------------------------------------------------
 -- Views for operators and frontends.
@@ -78,21 +80,25 @@ COMMENT ON COLUMN pgbroker.broker_state.updated_at IS 'When it was last set.';
 
 CREATE VIEW pgbroker.watched_tables AS
 SELECT w.relid::regclass AS "table", w.key_columns, w.watched_at,
-       (SELECT count(*) FROM pgbroker.subscription s WHERE s.watch_id = w.watch_id) AS subscriptions
+       (SELECT count(*) FROM pgbroker.subscription s
+          JOIN pgbroker.client c ON c.client_key = s.client_key
+          JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
+         WHERE s.watch_id = w.watch_id) AS subscriptions
   FROM pgbroker.watched w;
 COMMENT ON VIEW pgbroker.watched_tables IS 'Tables watched by pgbroker, with their key columns and number of subscriptions.';
 COMMENT ON COLUMN pgbroker.watched_tables."table" IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.watched_tables.key_columns IS 'Its primary-key columns, in the order used by key encoding.';
 COMMENT ON COLUMN pgbroker.watched_tables.watched_at IS 'When watch() last installed its triggers.';
-COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscriptions to it.';
+COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscriptions to it (of the brokers'' current epochs).';
 
 CREATE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
        CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
   FROM pgbroker.subscription s
   JOIN pgbroker.client c ON c.client_key = s.client_key
+  JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
   JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
-COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what.';
+COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what (clients of the brokers'' current epochs).';
 COMMENT ON COLUMN pgbroker.subscriptions.name IS 'Broker (lease name) of the client.';
 COMMENT ON COLUMN pgbroker.subscriptions.client_id IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscriptions."table" IS 'The watched table.';
@@ -102,8 +108,9 @@ COMMENT ON COLUMN pgbroker.subscriptions.subscribed_at IS 'When.';
 CREATE VIEW pgbroker.outbox_pending AS
 SELECT o.name, count(*) AS pending, min(o.at) AS oldest
   FROM pgbroker.outbox o
+  JOIN pgbroker.lease l ON l.name = o.name AND l.epoch = o.epoch
  GROUP BY o.name;
-COMMENT ON VIEW pgbroker.outbox_pending IS 'Undelivered notifications per broker: how many and since when.';
+COMMENT ON VIEW pgbroker.outbox_pending IS 'Undelivered notifications per broker (of its current epoch): how many and since when.';
 COMMENT ON COLUMN pgbroker.outbox_pending.name IS 'Broker (lease name).';
 COMMENT ON COLUMN pgbroker.outbox_pending.pending IS 'Notifications not yet acknowledged.';
 COMMENT ON COLUMN pgbroker.outbox_pending.oldest IS 'Statement time of the oldest one.';
@@ -111,9 +118,8 @@ COMMENT ON COLUMN pgbroker.outbox_pending.oldest IS 'Statement time of the oldes
 CREATE VIEW pgbroker.clients AS
 SELECT c.name, c.epoch, c.client_id, c.info, c.registered_at, c.updated_at,
        (SELECT count(*) FROM pgbroker.subscription s WHERE s.client_key = c.client_key)::integer AS subscriptions
-  FROM pgbroker.client c
-  JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
- WHERE pgbroker.broker_alive(l.name);
+  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l WHERE pgbroker.broker_alive(l.name) OFFSET 0) l  -- once per lease
+  JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch;
 COMMENT ON VIEW pgbroker.clients IS 'Clients connected to live brokers, with their broker (lease name) and epoch.';
 COMMENT ON COLUMN pgbroker.clients.name IS 'Lease name of the broker the client is connected to.';
 COMMENT ON COLUMN pgbroker.clients.epoch IS 'Epoch of that broker.';
@@ -122,6 +128,25 @@ COMMENT ON COLUMN pgbroker.clients.info IS 'What the broker knows of the client 
 COMMENT ON COLUMN pgbroker.clients.registered_at IS 'When it was registered.';
 COMMENT ON COLUMN pgbroker.clients.updated_at IS 'When its info last changed.';
 COMMENT ON COLUMN pgbroker.clients.subscriptions IS 'How many subscriptions it has.';
+
+CREATE VIEW pgbroker.sweep_backlog AS
+SELECT l.name, l.epoch,
+       (SELECT count(*) FROM pgbroker.client c WHERE c.name = l.name AND c.epoch < l.epoch) AS clients,
+       (SELECT count(*) FROM pgbroker.client c JOIN pgbroker.subscription s ON s.client_key = c.client_key
+         WHERE c.name = l.name AND c.epoch < l.epoch) AS subscriptions,
+       (SELECT count(*) FROM pgbroker.interest i WHERE i.name = l.name AND i.epoch < l.epoch) AS interest,
+       (SELECT count(*) FROM pgbroker.outbox o WHERE o.name = l.name AND o.epoch < l.epoch) AS outbox,
+       (SELECT count(*) FROM pgbroker.state s WHERE s.name = l.name AND s.epoch < l.epoch) AS state
+  FROM pgbroker.lease l;
+COMMENT ON VIEW pgbroker.sweep_backlog IS
+    'Per lease: the rows its earlier epochs left that broker_sweep() has yet to delete (invisible everywhere else; they only take space).';
+COMMENT ON COLUMN pgbroker.sweep_backlog.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.epoch IS 'Its current epoch.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.clients IS 'Clients of earlier epochs.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.subscriptions IS 'Their subscriptions.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.interest IS 'Interest rows of earlier epochs (what the triggers read).';
+COMMENT ON COLUMN pgbroker.sweep_backlog.outbox IS 'Notifications of earlier epochs, never to be fetched.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.state IS 'Broker state rows of earlier epochs.';
 
 -- ---------------------------------------------------------------------------
 -- The coordination primitives.  pg_stat_activity shows other roles' sessions

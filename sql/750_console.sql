@@ -20,11 +20,14 @@ SELECT b.name,
        (SELECT count(*) FROM pgbroker.clients c WHERE c.name = b.name)::integer AS clients,
        (SELECT COALESCE(sum(c.subscriptions), 0) FROM pgbroker.clients c WHERE c.name = b.name)::integer AS subscriptions,
        COALESCE(o.pending, 0)::bigint AS outbox_backlog,
-       pg_catalog.clock_timestamp() - o.oldest AS outbox_oldest_age
+       pg_catalog.clock_timestamp() - o.oldest AS outbox_oldest_age,
+       (w.clients + w.subscriptions + w.interest + w.outbox + w.state)::bigint AS sweep_backlog,
+       b.claimed_at
   FROM pgbroker.brokers b
-  LEFT JOIN pgbroker.outbox_pending o ON o.name = b.name;
+  LEFT JOIN pgbroker.outbox_pending o ON o.name = b.name
+  LEFT JOIN pgbroker.sweep_backlog w ON w.name = b.name;
 COMMENT ON VIEW pgbroker.broker_overview IS
-    'One row per broker (lease name): holder, liveness, takeovers, clients, subscriptions and outbox backlog. What pgbroker status shows.';
+    'One row per broker (lease name): holder, liveness, takeovers, clients, subscriptions, outbox backlog and what is left to sweep. What pgbroker status shows.';
 COMMENT ON COLUMN pgbroker.broker_overview.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.broker_overview.epoch IS 'Current epoch (fencing token).';
 COMMENT ON COLUMN pgbroker.broker_overview.state IS 'new, held or released.';
@@ -37,6 +40,8 @@ COMMENT ON COLUMN pgbroker.broker_overview.clients IS 'Clients registered by the
 COMMENT ON COLUMN pgbroker.broker_overview.subscriptions IS 'Subscriptions of those clients.';
 COMMENT ON COLUMN pgbroker.broker_overview.outbox_backlog IS 'Notifications not yet acknowledged (pgbroker.outbox_pending).';
 COMMENT ON COLUMN pgbroker.broker_overview.outbox_oldest_age IS 'Age of the oldest of them; NULL when there is none.';
+COMMENT ON COLUMN pgbroker.broker_overview.sweep_backlog IS 'Rows earlier epochs left that broker_sweep() has yet to delete (pgbroker.sweep_backlog).';
+COMMENT ON COLUMN pgbroker.broker_overview.claimed_at IS 'When the current epoch was claimed.';
 
 -- ---------------------------------------------------------------------------
 -- Health checks that the database alone can answer.  `pgbroker doctor` adds
@@ -77,6 +82,15 @@ SELECT 'watch_triggers', w."table"::text,
                                          AND g.tgenabled <> 'D')
                     ORDER BY e.name) AS missing) t
 UNION ALL
+SELECT 'sweep', o.name,
+       o.sweep_backlog = 0 OR o.claimed_at > pg_catalog.clock_timestamp() - interval '5 min',
+       CASE WHEN o.sweep_backlog = 0 THEN 'nothing of an earlier epoch is left'
+            ELSE pg_catalog.format('%s row(s) of earlier epochs left to sweep (epoch %s claimed %s ago)', o.sweep_backlog,
+                                   o.epoch, date_trunc('second', pg_catalog.clock_timestamp() - o.claimed_at)) END,
+       CASE WHEN o.sweep_backlog > 0 AND o.claimed_at <= pg_catalog.clock_timestamp() - interval '5 min'
+            THEN 'nobody sweeps this lease: run pgbroker sweep, or call SELECT pgbroker.broker_sweep() until it returns 0 (the Python Broker does after its claim)' END
+  FROM pgbroker.broker_overview o
+UNION ALL
 SELECT 'broker_alive', o.name,
        o.alive OR o.state <> 'held',
        CASE WHEN o.alive THEN pg_catalog.format('epoch %s is held by pid %s', o.epoch, o.holder_pid)
@@ -86,8 +100,8 @@ SELECT 'broker_alive', o.name,
             THEN 'no broker runs for this lease: start one (it takes over with the next epoch)' END
   FROM pgbroker.broker_overview o;
 COMMENT ON VIEW pgbroker.health IS
-    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, dead brokers. One row per check and subject; fix says what to do when ok is false.';
-COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers or broker_alive.';
+    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, dead brokers. One row per check and subject; fix says what to do when ok is false.';
+COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep or broker_alive.';
 COMMENT ON COLUMN pgbroker.health.subject IS 'What was checked: a lease name, a watched table, or empty.';
 COMMENT ON COLUMN pgbroker.health.ok IS 'False when something needs fixing.';
 COMMENT ON COLUMN pgbroker.health.detail IS 'What was found.';
@@ -118,14 +132,16 @@ SELECT v.metric, pg_catalog.jsonb_build_object('name', o.name) AS labels, v.valu
         'Notifications not yet acknowledged by the broker.'),
        ('pgbroker_broker_outbox_oldest_age_seconds',
         COALESCE(EXTRACT(epoch FROM o.outbox_oldest_age), 0)::double precision,
-        'Age in seconds of the oldest unacknowledged notification (0 when none).')
+        'Age in seconds of the oldest unacknowledged notification (0 when none).'),
+       ('pgbroker_broker_sweep_backlog', o.sweep_backlog::double precision,
+        'Rows earlier epochs of the lease left that broker_sweep() has yet to delete.')
      ) AS v(metric, value, help)
  WHERE v.value IS NOT NULL
 UNION ALL
 SELECT 'pgbroker_notify_queue_usage', '{}'::jsonb, pg_catalog.pg_notification_queue_usage(),
        'Fraction of the NOTIFY queue in use (pg_notification_queue_usage()).';
 COMMENT ON VIEW pgbroker.metrics IS
-    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age per broker, NOTIFY queue usage.';
+    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage.';
 COMMENT ON COLUMN pgbroker.metrics.metric IS 'Metric name (the same as postgres_exporter''s through pgbroker/queries.yaml).';
 COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name).';
 COMMENT ON COLUMN pgbroker.metrics.value IS 'The sample''s value.';

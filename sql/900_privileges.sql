@@ -12,7 +12,8 @@
 --   pgbroker_admin   all three, plus takeover => true, watch, unwatch, pruning
 -- Tables and internal (_-prefixed) functions are never granted: the API
 -- functions (SECURITY DEFINER, search_path pinned) and the views are the
--- interface.  A test compares what each role may execute with the README.
+-- interface.  A test compares what each role may execute with the role table
+-- of sql/README.md.
 
 -- Functions are created with EXECUTE for PUBLIC: take it all back first.
 -- (ALTER DEFAULT PRIVILEGES IN SCHEMA cannot take away the global default.)
@@ -39,6 +40,7 @@ GRANT SELECT ON
     pgbroker.semaphores,
     pgbroker.kv,
     pgbroker.counters,
+    pgbroker.sweep_backlog,
     pgbroker.broker_overview,
     pgbroker.health,
     pgbroker.metrics
@@ -58,15 +60,18 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_state_set(text, text, jsonb),
     pgbroker.broker_state_delete(text, text),
     pgbroker.client_register(text, jsonb, text, bigint),
+    pgbroker.client_register_many(text[], jsonb[], text, bigint),
     pgbroker.client_update(text, jsonb, text, bigint),
     pgbroker.client_unregister(text, text, bigint),
     pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval),
+    pgbroker.subscribe_many(text[], regclass, jsonb[], text, bigint, interval),
     pgbroker.unsubscribe(text, regclass, jsonb, text, bigint),
     pgbroker.outbox_fetch(text, integer, bigint[]),
     pgbroker.outbox_ack(text, bigint[]),
     pgbroker.broker_wake(text),
     pgbroker.broker_sleep(text, interval),
-    pgbroker.wakeup_channel(text)
+    pgbroker.wakeup_channel(text),
+    pgbroker.broker_sweep(text, integer)
 TO pgbroker_broker;
 
 -- Users: the coordination primitives.

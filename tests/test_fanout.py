@@ -1,4 +1,4 @@
-"""Client registry, subscriptions, the outbox, wake-ups and delivery (issue 3)."""
+"""Client registry, subscriptions, the outbox, wake-ups and delivery."""
 
 from __future__ import annotations
 
@@ -232,9 +232,9 @@ def test_a_pending_row_whose_only_client_unregistered_is_dropped_not_returned(co
     assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone() == (0,)
 
 
-def test_new_claim_wipes_state_of_earlier_epochs(connect):
+def test_a_new_claim_hides_earlier_epochs_at_once_and_the_sweep_deletes_them(connect):
     old, new, writer = connect("old broker"), connect("new broker"), connect("writer")
-    other = connect("other broker")
+    other, reader = connect("other broker"), connect("reader", user="t_reader")
     epoch = claim(old)
     claim(other, "other")
     seed_objects(writer, [1])
@@ -246,11 +246,51 @@ def test_new_claim_wipes_state_of_earlier_epochs(connect):
     writer.execute("UPDATE initech.objects SET name = 'changed'")
     assert pgbroker_state_counts(writer) == {"client": 2, "subscription": 3, "interest": 3, "outbox": 2, "watched": 1}
     old.close()
-    assert claim(new) > epoch
-    # Everything of lease "default" is gone; lease "other" is untouched.
-    assert pgbroker_state_counts(writer) == {"client": 1, "subscription": 1, "interest": 1, "outbox": 1, "watched": 1}
+    new_epoch = claim(new)
+    assert new_epoch > epoch
+    # Nothing of the old epoch is visible, delivered or counted; lease "other" is untouched ...
     assert fetch(new) == []
-    assert summary(fetch(other, "other")) == [("U", 1, ["name"], ("o1",))]
+    assert reader.execute("SELECT count(*) FROM pgbroker.clients WHERE name = 'default'").fetchone()[0] == 0
+    assert reader.execute("SELECT count(*) FROM pgbroker.subscriptions WHERE name = 'default'").fetchone()[0] == 0
+    assert reader.execute("SELECT name FROM pgbroker.outbox_pending").fetchall() == [("other",)]
+    overview = "SELECT clients, subscriptions, outbox_backlog, sweep_backlog FROM pgbroker.broker_overview WHERE name = %s"
+    assert reader.execute(overview, ("default",)).fetchone() == (0, 0, 0, 6)
+    assert reader.execute(overview, ("other",)).fetchone() == (1, 1, 1, 0)
+    # ... and a change of the row goes to no one of it (the new epoch has no subscriber yet).
+    writer.execute("UPDATE initech.objects SET name = 'again'")
+    assert fetch(new) == []
+    # The old rows are still there, invisible, until swept, in batches of at most max_rows.
+    assert pgbroker_state_counts(writer) == {"client": 2, "subscription": 3, "interest": 3, "outbox": 3, "watched": 1}
+    backlog = "SELECT clients, subscriptions, interest, outbox, state FROM pgbroker.sweep_backlog WHERE name = %s"
+    assert reader.execute(backlog, ("default",)).fetchone() == (1, 2, 2, 1, 0)
+    batches = []
+    while done := new.execute("SELECT pgbroker.broker_sweep('default', 2)").fetchone()[0]:
+        batches.append(done)
+    assert batches == [2, 2, 2]  # outbox 1 + interest 1; interest 1 + subscription 1; subscription 1 + client 1
+    assert pgbroker_state_counts(writer) == {"client": 1, "subscription": 1, "interest": 1, "outbox": 2, "watched": 1}
+    assert reader.execute(backlog, ("default",)).fetchone() == (0, 0, 0, 0, 0)
+    assert reader.execute(overview, ("default",)).fetchone() == (0, 0, 0, 0)
+    assert summary(fetch(other, "other")) == [("U", 1, ["name"], ("o1",)), ("U", 1, ["name"], ("o1",))]
+
+
+def test_broker_sweep_rejects_bad_arguments_and_sweeps_every_lease_without_a_name(connect):
+    a, b, admin = connect("a"), connect("b"), connect("admin")
+    for name in ("one", "two"):
+        claim(a, name)
+        register(a, "c", name)
+    a.close()
+    for bad, state in (("''", "22023"), ("repeat('x', 64)", "22023")):
+        with pytest.raises(psycopg.Error) as info:
+            b.execute(f"SELECT pgbroker.broker_sweep({bad})")
+        assert info.value.sqlstate == state
+    for bad in ("0", "-1", "NULL"):
+        with pytest.raises(psycopg.Error) as info:
+            b.execute(f"SELECT pgbroker.broker_sweep(NULL, {bad})")
+        assert info.value.sqlstate == "22023"
+    claim(b, "one")
+    claim(b, "two")
+    assert b.execute("SELECT pgbroker.broker_sweep()").fetchone()[0] == 2
+    assert admin.execute("SELECT count(*) FROM pgbroker.client").fetchone()[0] == 0
 
 
 # ---------------------------------------------------------------------------
@@ -737,18 +777,20 @@ def test_broker_dying_mid_batch_loses_nothing_its_successor_needs(connect):
     assert view == {"c1": {1: {"v": 100}, 2: {"v": -2}}, "c2": {3: {"v": 300}, 5: {"v": -5}}}
 
 
-def test_wake_drops_rows_written_for_an_earlier_epoch(connect):
-    """A writer that read pgbroker.interest just before a new claim may write rows for the old epoch
-    after the claim wiped them; nobody fetches those, so broker_wake() removes them."""
+def test_rows_written_for_an_earlier_epoch_are_never_fetched_and_the_sweep_deletes_them(connect):
+    """A writer that found the old epoch alive just before a new claim may write rows for it after the claim:
+    nobody fetches those, and broker_sweep() deletes them."""
     broker, admin = connect("broker"), connect("admin")
     epoch = claim(broker)
     admin.execute(
         "INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, clients)"
-        " VALUES ('default', %s, 1, 'U', '1', '{}')",
-        (epoch - 1,),
+        " VALUES ('default', %s, 1, 'U', '1', '{c}'), ('default', %s, 1, 'U', '2', NULL)",
+        (epoch - 1, epoch - 1),
     )
     wake(broker)
-    assert admin.execute("SELECT count(*) FROM pgbroker.outbox WHERE epoch < %s", (epoch,)).fetchone()[0] == 0
+    assert fetch(broker) == []
+    assert broker.execute("SELECT pgbroker.broker_sweep('default')").fetchone()[0] == 2
+    assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0] == 0
 
 
 def test_generated_triggers_name_the_lock_classes_of_subscribe_and_sleep(connect):

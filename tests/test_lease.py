@@ -499,7 +499,7 @@ def test_assert_after_a_rolled_back_claim_keeps_the_old_epoch(connect):
 # Broker state
 
 
-def test_broker_state_belongs_to_the_holder_and_is_wiped_by_the_next_claim(connect):
+def test_broker_state_belongs_to_the_holder_and_is_hidden_by_the_next_claim_then_swept(connect):
     a, b, reader = connect("A"), connect("B"), connect("reader", user="t_reader")
     epoch = claim(a)
     a.execute("SELECT pgbroker.broker_state_set('default', 'clients', '[1, 2]')")
@@ -519,9 +519,17 @@ def test_broker_state_belongs_to_the_holder_and_is_wiped_by_the_next_claim(conne
     new = claim(b, wait="5s")
     assert new == epoch + 1
     assert reader.execute("SELECT count(*) FROM pgbroker.broker_state").fetchone()[0] == 0
-    assert b.execute("SELECT count(*) FROM pgbroker.state").fetchone()[0] == 0  # deleted, not just hidden
+    # Hidden at once, deleted by the sweep; the new epoch writes beside it meanwhile.
+    assert reader.execute("SELECT state FROM pgbroker.sweep_backlog").fetchone()[0] == 1
+    b.execute("SELECT pgbroker.broker_state_set('default', 'clients', '\"new\"')")
+    assert reader.execute("SELECT key, value, epoch FROM pgbroker.broker_state").fetchall() == [("clients", "new", new)]
+    assert b.execute("SELECT pgbroker.broker_sweep('default')").fetchone()[0] == 1
+    assert b.execute("SELECT pgbroker.broker_sweep('default')").fetchone()[0] == 0
+    assert b.execute("SELECT epoch FROM pgbroker.state").fetchall() == [(new,)]
     b.execute("SELECT pgbroker.broker_state_set('default', 'mode', '\"primary\"')")
-    assert reader.execute("SELECT key, epoch FROM pgbroker.broker_state").fetchall() == [("mode", new)]
+    assert reader.execute("SELECT key, epoch FROM pgbroker.broker_state ORDER BY key").fetchall() == [
+        ("clients", new), ("mode", new)
+    ]
 
 
 def test_broker_state_of_another_name_survives(connect):

@@ -879,7 +879,7 @@ def test_alembic_cli_and_unqualified_psql_call(empty_db):
 
 
 def test_alembic_core_only_without_initech(empty_db):
-    """README: `alembic -x initech=no upgrade head` installs the core without initech.objects."""
+    """migrations/README.md: `alembic -x initech=no upgrade head` installs the core without initech.objects."""
     env = _clean_env(DATABASE_URL=empty_db)
     up = subprocess.run(
         [*_alembic_command(), "-x", "initech=no", "upgrade", "head"],

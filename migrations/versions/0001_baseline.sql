@@ -8,15 +8,16 @@
 -- definition of every pgbroker object, each defined once, one area per file:
 --   000 schema, roles, version     100 the lease        200 clients
 --   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
---   600 triggers, watch()          650 named locks      660 semaphores
---   670 key-value store            680 counters         700 views
---   750 console, health, metrics   900 privileges                 950 initech.objects (the optional reference table)
+--   550 sweeping earlier epochs    600 triggers, watch()
+--   650 named locks                660 semaphores       670 key-value store
+--   680 counters                   700 views            750 console, health, metrics
+--   900 privileges                 950 initech.objects (the optional reference table)
 -- migrations/ holds alembic revisions generated from these files
 -- (migrations/build_baseline.py); a test proves both give the same catalog.
 
 CREATE SCHEMA IF NOT EXISTS pgbroker;
 COMMENT ON SCHEMA pgbroker IS
-    'pgbroker: singleton broker leases, broker state and change fan-out, in PL/pgSQL. See README.md.';
+    'pgbroker: singleton broker leases with fencing epochs, change fan-out to subscribed clients, named locks, semaphores, a key-value store and counters, in PL/pgSQL. See sql/README.md.';
 
 -- The version of the installed schema: the alembic revision that built it.
 -- It lets pgbroker (and you) recognise the schema whichever alembic
@@ -30,7 +31,7 @@ AS $$ SELECT 'pgbroker_0001_baseline'::text $$;
 COMMENT ON FUNCTION pgbroker.schema_version() IS
     'The alembic revision id of the installed pgbroker schema (for example pgbroker_0001_baseline). Anyone may call it.';
 
--- Roles are cluster-wide.  Create the three pgbroker roles when they are
+-- Roles are cluster-wide.  Create the four pgbroker roles when they are
 -- missing and remember which ones this installation created, so that a
 -- downgrade drops those and nothing else.
 CREATE TABLE pgbroker.installed (
@@ -128,6 +129,13 @@ SELECT pgbroker._set_database_search_path(true);
 -- transaction-level advisory lock, and a deferred constraint trigger turns it
 -- into a session-level lock when the transaction commits.  A claim that fails,
 -- is cancelled or is rolled back therefore never leaves a lock behind.
+--
+-- Everything a broker keeps (its state here; its clients, subscriptions and
+-- pending notifications in later files) carries the epoch that wrote it, and
+-- whatever reads it compares that with the lease's current epoch.  So a new
+-- claim makes all that an earlier epoch left invisible at once, in a time
+-- that does not depend on how much there is, and broker_sweep()
+-- (550_sweep.sql) removes it afterwards in bounded batches.
 
 -- Advisory locks are keyed (class, key) with two int4 values, which PostgreSQL
 -- never confuses with single-bigint advisory locks.  The class is 'pgbr'.
@@ -140,16 +148,28 @@ COMMENT ON FUNCTION pgbroker._lock_class() IS
 
 -- A second session-level lock, 'pgbh' ("held"), follows the lease lock: the
 -- holder of a session lease takes it when its claim commits and drops it when
--- its release commits (or its session ends).  Writers' triggers test it with a
--- try-lock that they drop at once, to write nothing for a broker that is gone
--- (600_triggers.sql).  A claim never try-locks it, so that test can never make
--- a claim fail; at worst the holder waits the microseconds a test lasts.
+-- its release commits (or its session ends).  It is keyed by the epoch, not
+-- the lease: writers' triggers test it, for the epoch of the subscribers they
+-- found, with a try-lock that they drop at once, and write nothing for an
+-- epoch whose holder is gone or was replaced (600_triggers.sql).  A claim
+-- never try-locks it, so that test can never make a claim fail; at worst the
+-- holder waits the microseconds a test lasts.
 CREATE FUNCTION pgbroker._lock_class_alive()
 RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT 1885823592 $$;
 COMMENT ON FUNCTION pgbroker._lock_class_alive() IS
-    'Internal: ''pgbh''; (class, lease lock_key) is held (session level) by the holder of a session lease while it holds it.';
+    'Internal: ''pgbh''; (class, _epoch_key(epoch)) is held (session level) by the holder of a session lease''s epoch while it holds it.';
+
+-- The second key of an epoch's "held" lock: its low 31 bits.  Two epochs
+-- share a key only 2^31 claims apart (epochs come from one sequence), and an
+-- earlier epoch's rows are swept long before that.
+CREATE FUNCTION pgbroker._epoch_key(p_epoch bigint)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT (p_epoch & 2147483647)::integer $$;
+COMMENT ON FUNCTION pgbroker._epoch_key(bigint) IS
+    'Internal: the second key of the ''pgbh'' lock of epoch p_epoch (its low 31 bits).';
 
 CREATE FUNCTION pgbroker._my_backend_start()
 RETURNS timestamptz
@@ -231,7 +251,7 @@ COMMENT ON COLUMN pgbroker.lease.session_locked IS 'Internal: whether the sessio
 -- replication), so its sequence can be behind the old primary's.  Every
 -- promotion starts a new WAL timeline, so the epoch carries the timeline in
 -- its high bits: epoch = (timeline - 1) * 2^40 + n, n from the sequence.
--- On timeline 1 the epochs are 1, 2, 3...; after a failover every epoch
+-- On timeline 1 the epochs are the sequence's values; after a failover every epoch
 -- compares greater than any the old primary handed out, as one bigint.
 CREATE SEQUENCE pgbroker.lease_epoch_seq AS bigint MAXVALUE 1099511627775;
 COMMENT ON SEQUENCE pgbroker.lease_epoch_seq IS
@@ -292,25 +312,27 @@ COMMENT ON COLUMN pgbroker.lease_event.reason IS 'Why: who took over from whom, 
 -- ---------------------------------------------------------------------------
 -- Broker state: a small key/value store per lease, written only by the
 -- holder, wiped by every new claim.
+-- Keyed by epoch too, so that a new epoch's writes never meet (nor wait for)
+-- the rows an earlier one left, which broker_sweep() deletes.
 CREATE TABLE pgbroker.state (
     name text NOT NULL REFERENCES pgbroker.lease (name) ON DELETE CASCADE,
-    key text NOT NULL,
     epoch bigint NOT NULL,
+    key text NOT NULL,
     value jsonb NOT NULL,
     updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
-    PRIMARY KEY (name, key)
+    PRIMARY KEY (name, epoch, key)
 );
 COMMENT ON TABLE pgbroker.state IS
-    'Key/value state of the current broker of each lease, wiped when a new epoch is claimed. Internal: use broker_state_set() and the view pgbroker.broker_state.';
+    'Key/value state of the current broker of each lease; what earlier epochs wrote is invisible and swept by broker_sweep(). Internal: use broker_state_set() and the view pgbroker.broker_state.';
 COMMENT ON COLUMN pgbroker.state.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.state.key IS 'Key.';
-COMMENT ON COLUMN pgbroker.state.epoch IS 'Epoch of the broker that wrote it; rows of earlier epochs are deleted by the next claim.';
+COMMENT ON COLUMN pgbroker.state.epoch IS 'Epoch of the broker that wrote it; rows of earlier epochs are invisible and swept by broker_sweep().';
 COMMENT ON COLUMN pgbroker.state.value IS 'Value.';
 COMMENT ON COLUMN pgbroker.state.updated_at IS 'When it was last set.';
 
 -- ---------------------------------------------------------------------------
 -- Errors.  Every error a user can hit is raised here or by PostgreSQL with a
--- documented SQLSTATE (README: "SQLSTATEs").
+-- documented SQLSTATE (sql/README.md, "SQLSTATEs").
 
 CREATE FUNCTION pgbroker._check_name(p_name text)
 RETURNS text
@@ -423,7 +445,7 @@ BEGIN
                          'take over a hung holder (stale_after => interval), or terminate it (takeover => true, pgbroker_admin only).';
     ELSE
         -- The lock is held by a session that is not the recorded holder: a claim
-        -- of that session is committing right now, or a stray lock (see README).
+        -- of that session is committing right now, or a stray lock (sql/README.md, "Internals").
         RAISE EXCEPTION 'lease "%" is locked by pid %, which is not its recorded holder (a claim committing now, or a stray lock)',
                 p_name, v_pid
             USING ERRCODE = 'lock_not_available',
@@ -508,10 +530,12 @@ BEGIN
     IF v_want THEN
         -- We hold the transaction-level lock, so this succeeds at once.
         PERFORM pg_advisory_lock(pgbroker._lock_class(), v_lease.lock_key);
-        PERFORM pg_advisory_lock(pgbroker._lock_class_alive(), v_lease.lock_key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_alive(), pgbroker._epoch_key(v_lease.epoch));
     ELSE
+        -- (A session that held the lock held it for this epoch: a claim of
+        -- the holder's own session never changes the epoch.)
         PERFORM pg_advisory_unlock(pgbroker._lock_class(), v_lease.lock_key);
-        PERFORM pg_advisory_unlock(pgbroker._lock_class_alive(), v_lease.lock_key);
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_alive(), pgbroker._epoch_key(v_lease.epoch));
     END IF;
     UPDATE pgbroker.lease SET session_locked = v_want WHERE name = NEW.name;
     RETURN NULL;
@@ -551,7 +575,8 @@ BEGIN
            AND l.granted
            AND NOT EXISTS (
                    SELECT FROM pgbroker.lease r
-                    WHERE r.lock_key = l.objid::integer
+                    WHERE CASE WHEN l.classid = pgbroker._lock_class()::oid THEN r.lock_key
+                               ELSE pgbroker._epoch_key(r.epoch) END = l.objid::integer
                       AND (   -- claimed: committed (session lock) or in this transaction (xact lock)
                               (r.state = 'held' AND r.expires_at IS NULL AND r.holder_pid = pg_backend_pid()
                                AND r.holder_backend_start = pgbroker._my_backend_start())
@@ -566,32 +591,6 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_sweep() IS
     'Internal: release session-level pgbroker locks of this backend that no lease row accounts for (stray locks).';
-
--- ---------------------------------------------------------------------------
--- A new epoch wipes what earlier epochs left.  Every area that keeps state
--- per epoch (broker state here; clients, interest and the outbox in later
--- files) adds its own AFTER UPDATE OF epoch trigger on pgbroker.lease, named
--- _NNN_clear_<what>, that runs this function on its table, so that each area
--- owns the clean-up of its tables.
-CREATE FUNCTION pgbroker._lease_clear_epochs()
-RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    -- TG_ARGV[0]: a table of schema pgbroker with columns name and epoch.
-    EXECUTE format('DELETE FROM pgbroker.%I WHERE name = $1 AND epoch < $2', TG_ARGV[0]) USING NEW.name, NEW.epoch;
-    RETURN NULL;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._lease_clear_epochs() IS
-    'Internal (trigger on pgbroker.lease, argument: a table name): delete the rows that a lease''s earlier epochs left in that table.';
-
-CREATE TRIGGER _100_clear_state
-AFTER UPDATE OF epoch ON pgbroker.lease
-FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._lease_clear_epochs('state');
-COMMENT ON TRIGGER _100_clear_state ON pgbroker.lease IS 'A new epoch deletes the broker state of earlier ones.';
 
 -- ---------------------------------------------------------------------------
 -- Terminating a holder.
@@ -921,14 +920,14 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_claim(text, interval, boolean, interval, text, text, interval) IS
-$$Claim the broker lease NAME for this session and return its new epoch (the fencing token).
+$$Claim the broker lease NAME for this session (with ttl: for the OWNER token, from any session) and return its new epoch (the fencing token).
 wait: '0' fails at once with 55P03 if another session holds it; an interval blocks up to that long; NULL blocks until the holder's session ends.
 takeover => true (the login role must be a member of pgbroker_admin, else 42501): terminate the holder, then claim.
 stale_after: terminate a holder whose last broker_heartbeat() is older than this (checked again while waiting), then claim.
 info: free text recorded with the holder (for example the hostname).
 owner: a token identifying the caller (1 to 200 bytes, for example a UUID). A re-claim from the session that holds the lease returns its epoch only with the same owner; a bare re-claim, or one with another owner, fails with PB003 (through a pooler in transaction mode that is another caller).
 ttl (with owner): a TTL lease, held with no session lock until ttl from now; renew it with broker_renew() (or a claim with the same owner and ttl), release it with broker_release(name, owner). It works through any pooler.
-Also deletes the broker state, clients, subscriptions and pending notifications of earlier epochs.
+The broker state, clients, subscriptions and pending notifications of earlier epochs become invisible at once, whatever their number; broker_sweep() removes them.
 The claim follows its transaction: it takes effect at commit and leaves no lock behind on error or rollback.$$;
 
 CREATE FUNCTION pgbroker.broker_release(name text DEFAULT 'default', owner text DEFAULT NULL)
@@ -1087,7 +1086,7 @@ AS $$
 $$;
 COMMENT ON FUNCTION pgbroker.broker_alive(text) IS
 $$True when lease NAME is held and alive: a TTL lease not yet expired, a session lease whose holder's session exists and holds the lock; false otherwise (also for an unknown name).
-Any pgbroker role may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;
+pgbroker_reader and pgbroker_broker may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;
 
 -- ---------------------------------------------------------------------------
 -- Broker state API.
@@ -1127,14 +1126,14 @@ BEGIN
     IF broker_state_set.key IS NULL OR broker_state_set.value IS NULL THEN
         RAISE EXCEPTION 'key and value must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    INSERT INTO pgbroker.state AS s (name, key, epoch, value)
-    VALUES (broker_state_set.name, broker_state_set.key, v_epoch, broker_state_set.value)
+    INSERT INTO pgbroker.state AS s (name, epoch, key, value)
+    VALUES (broker_state_set.name, v_epoch, broker_state_set.key, broker_state_set.value)
     ON CONFLICT ON CONSTRAINT state_pkey
-    DO UPDATE SET value = excluded.value, epoch = excluded.epoch, updated_at = clock_timestamp();
+    DO UPDATE SET value = excluded.value, updated_at = clock_timestamp();
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_state_set(text, text, jsonb) IS
-    'Holder only (PB001 otherwise): set KEY to VALUE in the state of lease NAME. The state is wiped by the next claim.';
+    'Holder only (PB001 otherwise): set KEY to VALUE in the state of lease NAME. The next claim starts with an empty state.';
 
 CREATE FUNCTION pgbroker.broker_state_delete(name text, key text)
 RETURNS boolean
@@ -1142,9 +1141,11 @@ LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_epoch bigint := pgbroker._holder_epoch(broker_state_delete.name);
 BEGIN
-    PERFORM pgbroker._holder_epoch(broker_state_delete.name);
-    DELETE FROM pgbroker.state s WHERE s.name = broker_state_delete.name AND s.key = broker_state_delete.key;
+    DELETE FROM pgbroker.state s
+     WHERE s.name = broker_state_delete.name AND s.epoch = v_epoch AND s.key = broker_state_delete.key;
     RETURN FOUND;
 END
 $$;
@@ -1179,8 +1180,11 @@ COMMENT ON FUNCTION pgbroker.lease_history_prune(interval) IS
 -- them (view pgbroker.clients) and triggers can work out who must hear about
 -- a change.  Only the current holder of the lease may change its clients:
 -- either from its own session, or from any session that passes the holder's
--- current epoch (checked like broker_assert()).  A new claim wipes the clients
--- of earlier epochs (trigger _200_clear_clients, below).
+-- current epoch (checked like broker_assert()).  Clients belong to the epoch
+-- that registered them: a new claim makes those of earlier epochs invisible
+-- at once (every reader compares the epoch), and broker_sweep() deletes them.
+-- A broker that restarts registers its clients again, many per call with
+-- client_register_many().
 
 CREATE TABLE pgbroker.client (
     client_key bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -1190,16 +1194,17 @@ CREATE TABLE pgbroker.client (
     info jsonb NOT NULL DEFAULT '{}',
     registered_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
-    CONSTRAINT client_id_unique UNIQUE (name, client_id),
+    -- Per epoch: a new epoch registers its clients beside an earlier one's,
+    -- never touching (nor waiting for) the rows the sweep deletes.
+    CONSTRAINT client_id_unique UNIQUE (name, epoch, client_id),
     CONSTRAINT client_id_valid CHECK (client_id <> '' AND octet_length(client_id) <= 200)
 );
-CREATE INDEX client_name_epoch ON pgbroker.client (name, epoch);
 COMMENT ON TABLE pgbroker.client IS
     'Clients registered by the broker of each lease. Internal: use client_register() and the view pgbroker.clients.';
-COMMENT ON COLUMN pgbroker.client.client_key IS 'Internal number of the client; outbox target lists hold these.';
+COMMENT ON COLUMN pgbroker.client.client_key IS 'Internal number of the client (of one epoch); subscriptions refer to it.';
 COMMENT ON COLUMN pgbroker.client.name IS 'Lease name of the broker the client is connected to.';
-COMMENT ON COLUMN pgbroker.client.epoch IS 'Epoch of the broker that registered it; a new claim deletes clients of earlier epochs.';
-COMMENT ON COLUMN pgbroker.client.client_id IS 'Identifier given by the broker (1 to 200 bytes), unique per broker.';
+COMMENT ON COLUMN pgbroker.client.epoch IS 'Epoch of the broker that registered it; clients of earlier epochs are invisible and swept by broker_sweep().';
+COMMENT ON COLUMN pgbroker.client.client_id IS 'Identifier given by the broker (1 to 200 bytes), unique per broker and epoch.';
 COMMENT ON COLUMN pgbroker.client.info IS 'What the broker knows of the client (address, version...).';
 COMMENT ON COLUMN pgbroker.client.registered_at IS 'When it was registered.';
 COMMENT ON COLUMN pgbroker.client.updated_at IS 'When its info last changed.';
@@ -1223,7 +1228,7 @@ $$;
 COMMENT ON FUNCTION pgbroker._acting_epoch(text, bigint) IS
     'Internal: the epoch the caller acts for: its own lease (p_epoch NULL) or p_epoch after a broker_assert().';
 
-CREATE FUNCTION pgbroker._client_key(p_name text, p_client_id text)
+CREATE FUNCTION pgbroker._client_key(p_name text, p_epoch bigint, p_client_id text)
 RETURNS bigint
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -1231,7 +1236,8 @@ AS $$
 DECLARE
     v_key bigint;
 BEGIN
-    SELECT client_key INTO v_key FROM pgbroker.client WHERE name = p_name AND client_id = p_client_id;
+    SELECT client_key INTO v_key FROM pgbroker.client
+     WHERE name = p_name AND epoch = p_epoch AND client_id = p_client_id;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'client "%" is not registered with broker "%"', p_client_id, p_name
             USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register().';
@@ -1239,8 +1245,59 @@ BEGIN
     RETURN v_key;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._client_key(text, text) IS
-    'Internal: the client_key of a registered client, PB010 when unknown.';
+COMMENT ON FUNCTION pgbroker._client_key(text, bigint, text) IS
+    'Internal: the client_key of a client registered in epoch p_epoch, PB010 when unknown.';
+
+-- Client ids as the one-row calls check them, NULL first (22004), then the
+-- length (22023); p_what names the argument (client_id, client_ids[3]).
+CREATE FUNCTION pgbroker._check_client_id(p_client_id text, p_what text)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF p_client_id IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', p_what USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF p_client_id = '' OR pg_catalog.octet_length(p_client_id) > 200 THEN
+        RAISE EXCEPTION '% must be 1 to 200 bytes long, got % bytes', p_what, pg_catalog.octet_length(p_client_id)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN p_client_id;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._check_client_id(text, text) IS
+    'Internal: validate a client id (22004 when NULL, 22023 unless 1 to 200 bytes); p_what names it in the message.';
+
+-- The arrays of a set-based call, described by array_ndims() and
+-- cardinality() (NULL for a NULL array): the first one-dimensional (or empty)
+-- and not NULL; the other one, unless absent where that is allowed, of the
+-- same length.  22004 for a NULL array, 22023 otherwise.  Returns the length.
+CREATE FUNCTION pgbroker._check_arrays(p_what text, p_ndims integer, p_n integer,
+                                       p_other_what text, p_other_ndims integer, p_other_n integer,
+                                       p_other_optional boolean)
+RETURNS integer
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF p_n IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', p_what USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF p_other_n IS NULL AND NOT p_other_optional THEN
+        RAISE EXCEPTION '% must not be NULL', p_other_what USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF p_ndims > 1 OR p_other_ndims > 1 THEN
+        RAISE EXCEPTION '% must be one-dimensional arrays', concat_ws(' and ', p_what, p_other_what)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_other_n <> p_n THEN
+        RAISE EXCEPTION '% has % elements and % has %: they must be of the same length', p_what, p_n, p_other_what, p_other_n
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN p_n;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._check_arrays(text, integer, integer, text, integer, integer, boolean) IS
+    'Internal: check the arrays of a set-based call (not NULL, one-dimensional, of the same length); returns the length.';
 
 CREATE FUNCTION pgbroker.client_register(client_id text, info jsonb DEFAULT '{}', name text DEFAULT 'default', epoch bigint DEFAULT NULL)
 RETURNS boolean
@@ -1253,13 +1310,7 @@ DECLARE
     v_epoch bigint := pgbroker._acting_epoch(v_name, client_register.epoch);
     v_inserted boolean;
 BEGIN
-    IF client_register.client_id IS NULL THEN
-        RAISE EXCEPTION 'client_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    IF client_register.client_id = '' OR octet_length(client_register.client_id) > 200 THEN
-        RAISE EXCEPTION 'client_id must be 1 to 200 bytes long, got % bytes', octet_length(client_register.client_id)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
+    PERFORM pgbroker._check_client_id(client_register.client_id, 'client_id');
     INSERT INTO pgbroker.client AS c (name, epoch, client_id, info)
     VALUES (v_name, v_epoch, client_register.client_id, coalesce(client_register.info, '{}'))
     ON CONFLICT ON CONSTRAINT client_id_unique
@@ -1269,9 +1320,57 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_register(text, jsonb, text, bigint) IS
-$$Broker only: register client CLIENT_ID (1 to 200 bytes) with INFO (address, version...) for lease NAME.
+$$Holder only: register client CLIENT_ID (1 to 200 bytes) with INFO (address, version...) for lease NAME.
 Call it from the holder's session, or from another session passing the holder's current EPOCH.
 Returns true when the client is new, false when it was registered already (its info is then replaced).$$;
+
+CREATE FUNCTION pgbroker.client_register_many(client_ids text[], infos jsonb[] DEFAULT NULL, name text DEFAULT 'default',
+                                              epoch bigint DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(client_register_many.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_register_many.epoch);
+    v_bad integer;
+    v_new bigint;
+BEGIN
+    PERFORM pgbroker._check_arrays('client_ids', array_ndims(client_register_many.client_ids),
+                                   cardinality(client_register_many.client_ids),
+                                   'infos', array_ndims(client_register_many.infos), cardinality(client_register_many.infos),
+                                   true);
+    -- The first bad id, with the error the one-row call gives, naming its position.
+    SELECT min(u.i) INTO v_bad
+      FROM unnest(client_register_many.client_ids) WITH ORDINALITY AS u(id, i)
+     WHERE u.id IS NULL OR u.id = '' OR octet_length(u.id) > 200;
+    IF v_bad IS NOT NULL THEN
+        PERFORM pgbroker._check_client_id(client_register_many.client_ids[v_bad], format('client_ids[%s]', v_bad));
+    END IF;
+    -- One statement; an id given twice counts once and keeps its last info,
+    -- as one-row calls in that order would leave it.
+    -- (Arrays are read with unnest, never subscripted: subscripting an array
+    -- of variable-length values costs time in proportion to the position.)
+    WITH given AS (
+        SELECT DISTINCT ON (u.id) u.id, coalesce(u.info, '{}') AS info
+          FROM unnest(client_register_many.client_ids, client_register_many.infos) WITH ORDINALITY AS u(id, info, i)
+         ORDER BY u.id, u.i DESC
+    ), registered AS (
+        INSERT INTO pgbroker.client AS c (name, epoch, client_id, info)
+        SELECT v_name, v_epoch, g.id, g.info FROM given g
+        ON CONFLICT ON CONSTRAINT client_id_unique
+        DO UPDATE SET info = excluded.info, updated_at = clock_timestamp()
+        RETURNING (c.xmax = 0) AS inserted
+    )
+    SELECT count(*) FILTER (WHERE inserted) INTO v_new FROM registered;
+    RETURN v_new;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.client_register_many(text[], jsonb[], text, bigint) IS
+$$Holder only: register every client of CLIENT_IDS for lease NAME in one statement, client_ids[i] with info INFOS[i] ('{}' when INFOS or it is NULL); returns how many were new.
+As client_register() otherwise: from the holder's session or with the holder's current EPOCH; a client registered already gets its info replaced; an id given twice counts once and keeps its last info.
+22004 / 22023 for a NULL, empty or too long id, naming its position (client_ids[3]), or for arrays of different lengths; nothing of the call is kept then.$$;
 
 CREATE FUNCTION pgbroker.client_update(client_id text, info jsonb, name text DEFAULT 'default', epoch bigint DEFAULT NULL)
 RETURNS void
@@ -1281,16 +1380,15 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(client_update.name);
-    v_key bigint;
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_update.epoch);
+    v_key bigint := pgbroker._client_key(v_name, v_epoch, client_update.client_id);
 BEGIN
-    PERFORM pgbroker._acting_epoch(v_name, client_update.epoch);
-    v_key := pgbroker._client_key(v_name, client_update.client_id);
     UPDATE pgbroker.client SET info = coalesce(client_update.info, '{}'), updated_at = clock_timestamp()
      WHERE client_key = v_key;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_update(text, jsonb, text, bigint) IS
-    'Broker only: replace the info of registered client CLIENT_ID (PB010 when unknown).';
+    'Holder only: replace the info of registered client CLIENT_ID (PB010 when unknown).';
 
 CREATE FUNCTION pgbroker.client_unregister(client_id text, name text DEFAULT 'default', epoch bigint DEFAULT NULL)
 RETURNS boolean
@@ -1300,11 +1398,11 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(client_unregister.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_unregister.epoch);
     v_key bigint;
 BEGIN
-    PERFORM pgbroker._acting_epoch(v_name, client_unregister.epoch);
     SELECT client_key INTO v_key FROM pgbroker.client c
-     WHERE c.name = v_name AND c.client_id = client_unregister.client_id;
+     WHERE c.name = v_name AND c.epoch = v_epoch AND c.client_id = client_unregister.client_id;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
@@ -1313,15 +1411,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_unregister(text, text, bigint) IS
-    'Broker only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';
-
--- A new epoch deletes the clients earlier epochs registered (and with them
--- their subscriptions, by the foreign key).
-CREATE TRIGGER _200_clear_clients
-AFTER UPDATE OF epoch ON pgbroker.lease
-FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._lease_clear_epochs('client');
-COMMENT ON TRIGGER _200_clear_clients ON pgbroker.lease IS 'A new epoch deletes the clients of earlier ones.';
+    'Holder only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';
 
 -- ===== sql/300_watched_tables.sql =====
 
@@ -1409,10 +1499,43 @@ $$;
 COMMENT ON FUNCTION pgbroker._key_settings(regtype[]) IS
     'Internal: the SET clauses the trigger functions of a table with these key types need so that keys encode as _encode_key() does; empty when no key type depends on session settings.';
 
--- Normalise a key given by a caller: a scalar for a one-column key, an array
--- for a composite one; each value cast to its column's type (so '"42"' and
--- '42' are the same key of an integer column).  22023 on a wrong shape,
--- 22P02 and friends on a value that does not cast.
+-- The SQL expression that encodes a key from its parts, P (an SQL
+-- expression of a jsonb array of the key's values in key order): each value
+-- cast to its column's type (so '"42"' and '42' are the same key of an
+-- integer column), then encoded as the triggers encode a row's key.
+CREATE FUNCTION pgbroker._key_expression(p_watch pgbroker.watched, p_parts text)
+RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb((%s->>0)::%s)', p_parts, min(t))
+                ELSE format('jsonb_build_array(%s)', string_agg(format('(%s->>%s)::%s', p_parts, i - 1, t), ', ' ORDER BY i))
+           END
+      FROM unnest(p_watch.key_types::text[]) WITH ORDINALITY AS u(t, i)
+$$;
+COMMENT ON FUNCTION pgbroker._key_expression(pgbroker.watched, text) IS
+    'Internal: the SQL expression that casts the parts of a key (a jsonb array expression) to the key''s types and encodes it.';
+
+-- Whether a key given by a caller has the shape of the table's key: a
+-- scalar for a one-column key, an array of scalars in key order for a
+-- composite one (NULL and JSON null, the whole table, are not keys here).
+CREATE FUNCTION pgbroker._key_shape_ok(p_columns integer, p_key jsonb)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN p_columns = 1 THEN jsonb_typeof(p_key) NOT IN ('object', 'array')
+                WHEN jsonb_typeof(p_key) <> 'array' THEN false
+                ELSE jsonb_array_length(p_key) = p_columns
+                     AND NOT EXISTS (SELECT FROM jsonb_array_elements(p_key) e
+                                      WHERE jsonb_typeof(e) IN ('null', 'object', 'array')) END
+$$;
+COMMENT ON FUNCTION pgbroker._key_shape_ok(integer, jsonb) IS
+    'Internal: whether p_key has the shape of a key of p_columns columns (a scalar, or an array of that many scalars).';
+
+-- Normalise a key given by a caller (see _key_expression); NULL or JSON null
+-- stands for the whole table.  22023 on a wrong shape, 22P02 and friends on
+-- a value that does not cast.
 CREATE FUNCTION pgbroker._encode_key(p_watch pgbroker.watched, p_key jsonb)
 RETURNS jsonb
 LANGUAGE plpgsql
@@ -1423,30 +1546,87 @@ SET lc_monetary = 'C'
 AS $$
 DECLARE
     v_n integer := cardinality(p_watch.key_columns);
-    v_parts jsonb := CASE WHEN v_n = 1 THEN jsonb_build_array(p_key) ELSE p_key END;
-    v_sql text;
     v_out jsonb;
 BEGIN
     IF p_key IS NULL OR jsonb_typeof(p_key) = 'null' THEN
         RETURN 'null'::jsonb;
     END IF;
-    IF jsonb_typeof(v_parts) <> 'array' OR jsonb_array_length(v_parts) <> v_n
-       OR EXISTS (SELECT FROM jsonb_array_elements(v_parts) e WHERE jsonb_typeof(e) IN ('null', 'object', 'array')) THEN
+    IF NOT pgbroker._key_shape_ok(v_n, p_key) THEN
         RAISE EXCEPTION 'key % does not match the primary key (%) of %', p_key,
                 array_to_string(p_watch.key_columns, ', '), p_watch.table_name
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Give a JSON scalar for a one-column key, a JSON array of scalars in key order for a composite one.';
     END IF;
-    SELECT format('SELECT %s', CASE WHEN v_n = 1 THEN format('to_jsonb(($1->>0)::%s)', min(t)) ELSE
-               format('jsonb_build_array(%s)', string_agg(format('($1->>%s)::%s', i - 1, t), ', ' ORDER BY i)) END)
-      INTO v_sql
-      FROM unnest(p_watch.key_types::text[]) WITH ORDINALITY AS u(t, i);
-    EXECUTE v_sql INTO v_out USING v_parts;
+    EXECUTE format('SELECT %s', pgbroker._key_expression(p_watch, '$1'))
+       INTO v_out USING CASE WHEN v_n = 1 THEN jsonb_build_array(p_key) ELSE p_key END;
     RETURN v_out;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._encode_key(pgbroker.watched, jsonb) IS
     'Internal: the canonical jsonb encoding of a key of the watched table (22023 on a wrong shape).';
+
+-- _encode_key(), its error naming the key's position in a caller's array.
+CREATE FUNCTION pgbroker._encode_key_at(p_watch pgbroker.watched, p_key jsonb, p_position integer)
+RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_state text;
+    v_message text;
+    v_hint text;
+BEGIN
+    RETURN pgbroker._encode_key(p_watch, p_key);
+EXCEPTION WHEN data_exception THEN
+    GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT, v_hint = PG_EXCEPTION_HINT;
+    IF v_hint = '' THEN
+        RAISE EXCEPTION 'keys[%]: %', p_position, v_message USING ERRCODE = v_state;
+    END IF;
+    RAISE EXCEPTION 'keys[%]: %', p_position, v_message USING ERRCODE = v_state, HINT = v_hint;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._encode_key_at(pgbroker.watched, jsonb, integer) IS
+    'Internal: _encode_key(), its error (if any) naming the key''s position in the caller''s array.';
+
+-- The keys of a set-based call, encoded in one statement.  A bad key gets
+-- the error _encode_key gives it, its message naming its position
+-- (keys[3]: ...), so one bad key among thousands is found at once.
+CREATE FUNCTION pgbroker._encode_keys(p_watch pgbroker.watched, p_keys jsonb[])
+RETURNS jsonb[]
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+SET TimeZone = 'UTC' SET IntervalStyle = 'postgres' SET extra_float_digits = 1 SET bytea_output = 'hex'
+SET lc_monetary = 'C'
+AS $$
+DECLARE
+    v_n integer := cardinality(p_watch.key_columns);
+    v_bad integer;
+    v_out jsonb[];
+BEGIN
+    SELECT min(u.i) INTO v_bad FROM unnest(p_keys) WITH ORDINALITY AS u(k, i)
+     WHERE u.k IS NOT NULL AND jsonb_typeof(u.k) <> 'null' AND NOT pgbroker._key_shape_ok(v_n, u.k);
+    IF v_bad IS NULL THEN
+        BEGIN
+            EXECUTE format($q$SELECT array_agg(CASE WHEN u.k IS NULL OR jsonb_typeof(u.k) = 'null' THEN 'null'::jsonb
+                                                   ELSE %s END ORDER BY u.i)
+                                FROM unnest($1) WITH ORDINALITY AS u(k, i)
+                               CROSS JOIN LATERAL (SELECT %s AS parts) p$q$,
+                           pgbroker._key_expression(p_watch, 'p.parts'),
+                           CASE WHEN v_n = 1 THEN 'jsonb_build_array(u.k)' ELSE 'u.k' END)
+               INTO v_out USING p_keys;
+            RETURN coalesce(v_out, '{}');
+        EXCEPTION WHEN data_exception THEN
+            NULL;   -- a value that does not cast: find which one below
+        END;
+    END IF;
+    FOR i IN coalesce(v_bad, 1) .. cardinality(p_keys) LOOP
+        PERFORM pgbroker._encode_key_at(p_watch, p_keys[i], i);
+    END LOOP;
+    RAISE EXCEPTION 'the keys of % do not encode, though each one alone does', p_watch.table_name;  -- cannot happen
+END
+$$;
+COMMENT ON FUNCTION pgbroker._encode_keys(pgbroker.watched, jsonb[]) IS
+    'Internal: _encode_key() of every key of an array, in one statement; a bad key''s error names its position.';
 
 -- ===== sql/400_subscriptions.sql =====
 
@@ -1465,6 +1645,13 @@ COMMENT ON FUNCTION pgbroker._encode_key(pgbroker.watched, jsonb) IS
 -- already past their trigger (up to its WAIT) and every later writer either
 -- sees the new interest or finds the lock taken and writes its changes with
 -- the subscribers left to be resolved at fetch time (600_triggers.sql).
+--
+-- Subscriptions and interest belong to an epoch, as clients do: those of an
+-- earlier epoch are invisible (the triggers write nothing for an epoch whose
+-- holder is gone, the views and calls compare the epoch) until
+-- broker_sweep() deletes them; a new epoch's rows never touch theirs.
+-- subscribe_many() makes many subscriptions in one statement, for a broker
+-- whose clients come back after a restart.
 
 CREATE TABLE pgbroker.subscription (
     client_key bigint NOT NULL REFERENCES pgbroker.client (client_key) ON DELETE CASCADE,
@@ -1477,7 +1664,7 @@ CREATE INDEX subscription_watch ON pgbroker.subscription (watch_id);
 COMMENT ON TABLE pgbroker.subscription IS 'Which client is subscribed to which row (or, with key JSON null, to the whole table). Internal: use subscribe().';
 COMMENT ON COLUMN pgbroker.subscription.client_key IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscription.watch_id IS 'The watched table.';
-COMMENT ON COLUMN pgbroker.subscription.row_key IS 'The row''s key encoded as jsonb (see README), or JSON null for the whole table.';
+COMMENT ON COLUMN pgbroker.subscription.row_key IS 'The row''s key encoded as jsonb (sql/README.md, "Key encoding"), or JSON null for the whole table.';
 COMMENT ON COLUMN pgbroker.subscription.subscribed_at IS 'When.';
 
 -- The subscriptions aggregated per (table, key, broker): what the triggers
@@ -1486,6 +1673,8 @@ CREATE TABLE pgbroker.interest (
     watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
     row_key jsonb NOT NULL,
     name text NOT NULL,
+    -- In the key: a new epoch's subscribers get rows of their own beside the
+    -- earlier epoch's, which the sweep deletes without anyone waiting for it.
     epoch bigint NOT NULL,
     -- The broker's lease lock_key, so that the triggers test whether it is
     -- alive and wake it without looking its lease up.
@@ -1493,14 +1682,14 @@ CREATE TABLE pgbroker.interest (
     -- client_ids, not client_keys: what the broker needs, copied as is into
     -- the outbox (a lookup per client at fetch time cost the broker ~3 µs each).
     clients text[] NOT NULL,
-    PRIMARY KEY (watch_id, row_key, name)
+    PRIMARY KEY (watch_id, row_key, name, epoch)
 );
-CREATE INDEX interest_name ON pgbroker.interest (name);
+CREATE INDEX interest_name_epoch ON pgbroker.interest (name, epoch);
 COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_ids per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
 COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
 COMMENT ON COLUMN pgbroker.interest.name IS 'The broker (lease name) of these clients.';
-COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch.';
+COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch: rows of an earlier epoch than the lease''s are invisible and swept by broker_sweep().';
 COMMENT ON COLUMN pgbroker.interest.lock_key IS 'Its lease''s lock_key (liveness test and wake-up channel of the triggers).';
 COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed clients, in subscription order.';
 
@@ -1515,11 +1704,12 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_name text;
+    v_epoch bigint;
     v_client_id text;
     v_watch_ids integer[];
     v_row_keys jsonb[];
 BEGIN
-    SELECT c.name, c.client_id INTO v_name, v_client_id FROM pgbroker.client c WHERE c.client_key = p_client;
+    SELECT c.name, c.epoch, c.client_id INTO v_name, v_epoch, v_client_id FROM pgbroker.client c WHERE c.client_key = p_client;
     WITH mine AS (
         DELETE FROM pgbroker.subscription s
          WHERE s.client_key = p_client
@@ -1529,7 +1719,7 @@ BEGIN
         UPDATE pgbroker.interest i
            SET clients = array_remove(i.clients, v_client_id)
           FROM mine m
-         WHERE i.watch_id = m.watch_id AND i.row_key = m.row_key AND i.name = v_name
+         WHERE i.watch_id = m.watch_id AND i.row_key = m.row_key AND i.name = v_name AND i.epoch = v_epoch
         RETURNING i.watch_id, i.row_key, i.clients
     )
     SELECT array_agg(s.watch_id), array_agg(s.row_key) INTO v_watch_ids, v_row_keys
@@ -1537,11 +1727,47 @@ BEGIN
     -- A row can change only once per statement: drop the emptied ones now.
     DELETE FROM pgbroker.interest i
      USING unnest(v_watch_ids, v_row_keys) AS e(watch_id, row_key)
-     WHERE i.watch_id = e.watch_id AND i.row_key = e.row_key AND i.name = v_name AND cardinality(i.clients) = 0;
+     WHERE i.watch_id = e.watch_id AND i.row_key = e.row_key AND i.name = v_name AND i.epoch = v_epoch
+       AND cardinality(i.clients) = 0;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._interest_remove(bigint, integer, jsonb) IS
     'Internal: drop subscriptions of a client (one, or all when p_watch_id is NULL) and shrink pgbroker.interest.';
+
+-- Before subscribing to a table: its triggers must be in place (a
+-- subscription to a table whose triggers are gone or disabled would never
+-- hear of a change: triggers dropped by hand, or a dropped watched table
+-- whose oid a new table reused), then the watch lock, exclusive against
+-- writers' triggers (a shared try-lock they hold to commit): writers that
+-- already read the interest without us commit first; later ones either see
+-- us or, finding the lock taken, leave their subscribers to be resolved at
+-- fetch time.  They never queue behind this request.  Held to commit.
+CREATE FUNCTION pgbroker._subscribe_lock(p_watch pgbroker.watched, p_table regclass, p_wait interval)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    IF (SELECT count(*) FROM pg_catalog.pg_trigger t
+         WHERE t.tgrelid = p_watch.relid AND t.tgenabled <> 'D'
+           AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')) <> 4 THEN
+        RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', p_table
+            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
+    END IF;
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), p_watch.watch_id);
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', p_watch.table_name, p_wait
+            USING ERRCODE = 'PB022', HINT = 'Retry, or pass a longer wait.';
+    END;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._subscribe_lock(pgbroker.watched, regclass, interval) IS
+    'Internal: check a watched table''s triggers (PB021), then take its watch lock exclusively to commit, waiting at most p_wait for writers (PB022).';
 
 CREATE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
                                    name text DEFAULT 'default', epoch bigint DEFAULT NULL,
@@ -1554,33 +1780,11 @@ AS $$
 DECLARE
     v_name text := pgbroker._check_name(subscribe.name);
     v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe.epoch);
-    v_client bigint := pgbroker._client_key(v_name, subscribe.client_id);
+    v_client bigint := pgbroker._client_key(v_name, v_epoch, subscribe.client_id);
     v_watch pgbroker.watched := pgbroker._watch_of(subscribe."table");
     v_key jsonb := pgbroker._encode_key(v_watch, subscribe.key);
-    v_timeout text := current_setting('lock_timeout');
 BEGIN
-    -- A subscription to a table whose triggers are gone or disabled would
-    -- never hear of a change (triggers dropped by hand, or a dropped watched
-    -- table whose oid a new table reused).
-    IF (SELECT count(*) FROM pg_catalog.pg_trigger t
-         WHERE t.tgrelid = v_watch.relid AND t.tgenabled <> 'D'
-           AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')) <> 4 THEN
-        RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', subscribe."table"
-            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
-    END IF;
-    -- Exclusive against writers' triggers (a shared try-lock they hold to
-    -- commit): writers that already read the interest without us commit
-    -- first; later ones either see us or, finding the lock taken, leave
-    -- their subscribers to be resolved at fetch time.  They never queue
-    -- behind this request.
-    BEGIN
-        PERFORM set_config('lock_timeout', pgbroker._wait_ms(subscribe.wait), true);
-        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), v_watch.watch_id);
-        PERFORM set_config('lock_timeout', v_timeout, true);
-    EXCEPTION WHEN lock_not_available THEN
-        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', v_watch.table_name, subscribe.wait
-            USING ERRCODE = 'PB022', HINT = 'Retry, or pass a longer wait.';
-    END;
+    PERFORM pgbroker._subscribe_lock(v_watch, subscribe."table", subscribe.wait);
     INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
     VALUES (v_client, v_watch.watch_id, v_key)
     ON CONFLICT DO NOTHING;
@@ -1590,16 +1794,77 @@ BEGIN
     INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
     VALUES (v_watch.watch_id, v_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
             ARRAY[subscribe.client_id])
-    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || subscribe.client_id, epoch = excluded.epoch;
+    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || subscribe.client_id;
     RETURN true;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval) IS
-$$Broker only: subscribe client CLIENT_ID to the row of watched TABLE whose primary key is KEY (jsonb: a scalar for a
+$$Holder only: subscribe client CLIENT_ID to the row of watched TABLE whose primary key is KEY (jsonb: a scalar for a
 one-column key, an array in key order for a composite one), or to the whole table when KEY is NULL.
 No gap: once it returns, every change that commits later is in the outbox, so a client that subscribes and then reads
 the row misses nothing. Waits up to WAIT for writer transactions already past their trigger (PB022 after that);
 writers never wait for it. Returns false when the subscription existed. PB010 unknown client, PB021 table not watched, 22023 bad key.$$;
+
+CREATE FUNCTION pgbroker.subscribe_many(client_ids text[], "table" regclass, keys jsonb[], name text DEFAULT 'default',
+                                        epoch bigint DEFAULT NULL, wait interval DEFAULT '5 s')
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe_many.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe_many.epoch);
+    v_n integer := pgbroker._check_arrays('client_ids', array_ndims(subscribe_many.client_ids),
+                                          cardinality(subscribe_many.client_ids), 'keys', array_ndims(subscribe_many.keys),
+                                          cardinality(subscribe_many.keys), false);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe_many."table");
+    v_keys jsonb[] := pgbroker._encode_keys(v_watch, subscribe_many.keys);
+    v_bad integer;
+    v_new bigint;
+BEGIN
+    -- Every client known in this epoch, or the error subscribe() gives for
+    -- the first that is not, naming its position.  (Arrays are read with
+    -- unnest, never subscripted: subscripting an array of variable-length
+    -- values costs time in proportion to the position.)
+    SELECT min(u.i) INTO v_bad
+      FROM unnest(subscribe_many.client_ids) WITH ORDINALITY AS u(id, i)
+     WHERE NOT EXISTS (SELECT FROM pgbroker.client c WHERE c.name = v_name AND c.epoch = v_epoch AND c.client_id = u.id);
+    IF v_bad IS NOT NULL THEN
+        RAISE EXCEPTION 'client "%" (client_ids[%]) is not registered with broker "%"',
+                subscribe_many.client_ids[v_bad], v_bad, v_name
+            USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register() or client_register_many().';
+    END IF;
+    PERFORM pgbroker._subscribe_lock(v_watch, subscribe_many."table", subscribe_many.wait);
+    -- One statement, one round of the watch lock, whatever the number: the
+    -- new subscriptions (a pair given twice counts once), then their ids
+    -- appended to the interest of their key, in the order given.
+    WITH given AS (
+        SELECT c.client_key, u.id, u.row_key, min(u.i) AS i
+          FROM unnest(subscribe_many.client_ids, v_keys) WITH ORDINALITY AS u(id, row_key, i)
+          JOIN pgbroker.client c ON c.name = v_name AND c.epoch = v_epoch AND c.client_id = u.id
+         GROUP BY c.client_key, u.id, u.row_key
+    ), added AS (
+        INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
+        SELECT g.client_key, v_watch.watch_id, g.row_key FROM given g
+        ON CONFLICT DO NOTHING
+        RETURNING client_key, row_key
+    ), interest AS (
+        INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
+        SELECT v_watch.watch_id, a.row_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
+               array_agg(g.id ORDER BY g.i)
+          FROM added a
+          JOIN given g ON g.client_key = a.client_key AND g.row_key = a.row_key
+         GROUP BY a.row_key
+        ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || excluded.clients
+    )
+    SELECT count(*) INTO v_new FROM added;
+    RETURN v_new;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.subscribe_many(text[], regclass, jsonb[], text, bigint, interval) IS
+$$Holder only: subscribe client CLIENT_IDS[i] to the row of watched TABLE whose key is KEYS[i] (NULL: the whole table), for every i, in one statement; returns how many subscriptions were new.
+As subscribe() otherwise, with one wait for the table's writers per call: no gap; PB010 for an unknown client, 22023 (or the cast's own SQLSTATE) for a bad key, each naming its position (client_ids[3], keys[3]); 22004 / 22023 for NULL arrays or arrays of different lengths; PB021, PB022 as subscribe(). Nothing of the call is kept when it fails.$$;
 
 CREATE FUNCTION pgbroker.unsubscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
                                      name text DEFAULT 'default', epoch bigint DEFAULT NULL)
@@ -1611,7 +1876,7 @@ AS $$
 DECLARE
     v_name text := pgbroker._check_name(unsubscribe.name);
     v_epoch bigint := pgbroker._acting_epoch(v_name, unsubscribe.epoch);
-    v_client bigint := pgbroker._client_key(v_name, unsubscribe.client_id);
+    v_client bigint := pgbroker._client_key(v_name, v_epoch, unsubscribe.client_id);
     v_watch pgbroker.watched := pgbroker._watch_of(unsubscribe."table");
     v_key jsonb := pgbroker._encode_key(v_watch, unsubscribe.key);
 BEGIN
@@ -1624,14 +1889,14 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
-    'Broker only: drop the subscription of CLIENT_ID to KEY of TABLE (NULL: the whole-table one); false when there was none.';
+    'Holder only: drop the subscription of CLIENT_ID to KEY of TABLE (NULL: the whole-table one); false when there was none.';
 
 -- ---------------------------------------------------------------------------
 -- Keeping the interest in step with the client registry.
 
 -- An unregistered client leaves the interest of its broker's current epoch.
--- (The clients of earlier epochs are deleted by a new claim, which deletes
--- their whole interest at once: trigger _400_clear_interest, below.)
+-- (The clients of earlier epochs are deleted by broker_sweep(), after the
+-- interest they made.)
 CREATE FUNCTION pgbroker._interest_drop_client()
 RETURNS trigger
 LANGUAGE plpgsql
@@ -1652,13 +1917,6 @@ BEFORE DELETE ON pgbroker.client
 FOR EACH ROW EXECUTE FUNCTION pgbroker._interest_drop_client();
 COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'An unregistered client leaves the interest its subscriptions made.';
 
--- A new epoch deletes the interest of earlier ones.
-CREATE TRIGGER _400_clear_interest
-AFTER UPDATE OF epoch ON pgbroker.lease
-FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._lease_clear_epochs('interest');
-COMMENT ON TRIGGER _400_clear_interest ON pgbroker.lease IS 'A new epoch deletes the interest of earlier ones.';
-
 -- ===== sql/500_outbox.sql =====
 
 -- pgbroker: the outbox, wake-ups and delivery.
@@ -1673,10 +1931,12 @@ COMMENT ON TRIGGER _400_clear_interest ON pgbroker.lease IS 'A new epoch deletes
 
 -- UNLOGGED: no WAL for the hot path.  Crash recovery empties it, and a
 -- promoted standby has it empty; both end every broker session, so the next
--- claim starts a new epoch whose clients re-subscribe and re-read.
+-- claim starts a new epoch whose clients re-subscribe and re-read.  Rows of
+-- an earlier epoch than the lease's are never fetched; broker_sweep()
+-- deletes them.
 CREATE UNLOGGED TABLE pgbroker.outbox (
-    -- Unique by its sequence; indexed with the broker's name only (below):
-    -- every index is one more hot page that all writers insert into.
+    -- Unique by its sequence; indexed with the broker's name and epoch only
+    -- (below): every index is one more hot page that all writers insert into.
     id bigint GENERATED ALWAYS AS IDENTITY,
     name text NOT NULL,
     epoch bigint NOT NULL,
@@ -1687,9 +1947,10 @@ CREATE UNLOGGED TABLE pgbroker.outbox (
     clients text[],
     at timestamptz NOT NULL DEFAULT pg_catalog.statement_timestamp()
 );
-CREATE INDEX outbox_name_id ON pgbroker.outbox (name, id);
+-- A fetch reads one epoch's rows in id order, never an earlier epoch's.
+CREATE INDEX outbox_name_epoch_id ON pgbroker.outbox (name, epoch, id);
 -- The rows whose clients are resolved at fetch time (normally none).
-CREATE INDEX outbox_unresolved ON pgbroker.outbox (name) WHERE clients IS NULL;
+CREATE INDEX outbox_unresolved ON pgbroker.outbox (name, epoch) WHERE clients IS NULL;
 -- A queue table: every row is deleted soon after it is written, and a fetch
 -- walks the dead index entries until VACUUM removes them (measured: an empty
 -- fetch over 70,000 dead rows takes 3.5 ms instead of 0.13 ms).  Let
@@ -1697,7 +1958,7 @@ CREATE INDEX outbox_unresolved ON pgbroker.outbox (name) WHERE clients IS NULL;
 ALTER TABLE pgbroker.outbox SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 5000,
                                  autovacuum_vacuum_cost_delay = 0);
 COMMENT ON TABLE pgbroker.outbox IS
-    'Notification targets written by the watch triggers: one row per changed row and broker. UNLOGGED (see README). Internal: use outbox_fetch() / outbox_ack().';
+    'Notification targets written by the watch triggers: one row per changed row and broker. UNLOGGED (sql/README.md, "Server crash and failover"). Internal: use outbox_fetch() / outbox_ack().';
 COMMENT ON COLUMN pgbroker.outbox.id IS 'Increasing; for one row of a watched table, in commit order.';
 COMMENT ON COLUMN pgbroker.outbox.name IS 'Broker (lease name) to deliver to.';
 COMMENT ON COLUMN pgbroker.outbox.epoch IS 'Epoch of that broker when the change was written.';
@@ -1775,10 +2036,6 @@ BEGIN
     IF NOT pgbroker._awake_held(v_key) THEN
         PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
     END IF;
-    -- A writer that read pgbroker.interest just before this epoch's claim
-    -- committed may have written rows for the old epoch after the claim
-    -- wiped them: nobody will fetch those, so drop them here.
-    DELETE FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch < v_epoch;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_wake(text) IS
@@ -1952,9 +2209,9 @@ BEGIN
     v_floor := pgbroker._outbox_floor(v_name, v_epoch, true);
     IF outbox_fetch.ack IS NOT NULL THEN
         -- Acknowledge the previous batch in the same round trip.
-        DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.id = ANY (outbox_fetch.ack);
+        DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.epoch = v_epoch AND b.id = ANY (outbox_fetch.ack);
     END IF;
-    IF EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = v_name AND u.clients IS NULL) THEN
+    IF EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = v_name AND u.epoch = v_epoch AND u.clients IS NULL) THEN
         PERFORM pgbroker._outbox_resolve(v_name, v_epoch);
     END IF;
     RETURN QUERY
@@ -1981,10 +2238,10 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(outbox_ack.name);
+    v_epoch bigint := pgbroker._holder_epoch(v_name);
     v_count bigint;
 BEGIN
-    PERFORM pgbroker._holder_epoch(v_name);
-    DELETE FROM pgbroker.outbox o WHERE o.name = v_name AND o.id = ANY (outbox_ack.ids);
+    DELETE FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch = v_epoch AND o.id = ANY (outbox_ack.ids);
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
 END
@@ -2003,7 +2260,7 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    -- (Clients of an earlier epoch go with its whole outbox: _500_clear_outbox.)
+    -- (Clients of an earlier epoch: their rows are never fetched, and broker_sweep() deletes them.)
     IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
         DELETE FROM pgbroker.outbox o
          WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients = ARRAY[OLD.client_id];
@@ -2021,13 +2278,92 @@ BEFORE DELETE ON pgbroker.client
 FOR EACH ROW EXECUTE FUNCTION pgbroker._outbox_forget_client();
 COMMENT ON TRIGGER _500_forget_client ON pgbroker.client IS 'An unregistered client is struck from the notifications pending for it.';
 
--- ---------------------------------------------------------------------------
--- A new epoch deletes the notifications pending for earlier ones.
-CREATE TRIGGER _500_clear_outbox
-AFTER UPDATE OF epoch ON pgbroker.lease
-FOR EACH ROW WHEN (NEW.epoch > OLD.epoch)
-EXECUTE FUNCTION pgbroker._lease_clear_epochs('outbox');
-COMMENT ON TRIGGER _500_clear_outbox ON pgbroker.lease IS 'A new epoch deletes the notifications pending for earlier ones.';
+-- ===== sql/550_sweep.sql =====
+
+-- pgbroker: sweeping what earlier epochs left.
+--
+-- A claim does not delete what the lease's earlier epochs left (broker
+-- state, clients, subscriptions, interest, pending notifications): it makes
+-- it invisible, since every reader compares the epoch with the lease's, so a
+-- takeover costs the same whether the dead broker had no client or a
+-- hundred thousand.  broker_sweep() deletes those rows afterwards, a bounded
+-- batch per call, in a short transaction of its own.  A new epoch's rows
+-- never share a key with an earlier epoch's (every key of these tables holds
+-- the epoch, or a client of one epoch), so nobody waits for the rows a sweep
+-- locks: writers, subscribers and the new broker go on as if it did not run.
+-- The Python Broker sweeps after its claim; a broker in another language
+-- calls broker_sweep() until it returns 0 (its loop's idle turn is a good
+-- place), and the view pgbroker.sweep_backlog shows what is left.
+
+CREATE FUNCTION pgbroker.broker_sweep(name text DEFAULT NULL, max_rows integer DEFAULT 10000)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_left bigint := broker_sweep.max_rows;
+    v_done bigint;
+    v_lease record;
+BEGIN
+    IF broker_sweep.name IS NOT NULL THEN
+        PERFORM pgbroker._check_name(broker_sweep.name);
+    END IF;
+    IF broker_sweep.max_rows IS NULL OR broker_sweep.max_rows < 1 THEN
+        RAISE EXCEPTION 'max_rows must be at least 1, got %', coalesce(broker_sweep.max_rows::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Rows another sweep has locked are skipped (FOR UPDATE SKIP LOCKED): two
+    -- sweeps never wait for each other either.  Subscriptions go before their
+    -- clients, and a client goes once it has none, so the foreign key's
+    -- cascade finds nothing left to do.
+    FOR v_lease IN SELECT l.name, l.epoch FROM pgbroker.lease l
+                    WHERE broker_sweep.name IS NULL OR l.name = broker_sweep.name
+                    ORDER BY l.name LOOP
+        DELETE FROM pgbroker.outbox o
+         WHERE o.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.outbox x
+                                    WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
+                                    LIMIT v_left FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_done = ROW_COUNT;
+        v_left := v_left - v_done;
+        EXIT WHEN v_left = 0;
+        DELETE FROM pgbroker.interest i
+         WHERE i.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.interest x
+                                    WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
+                                    LIMIT v_left FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_done = ROW_COUNT;
+        v_left := v_left - v_done;
+        EXIT WHEN v_left = 0;
+        DELETE FROM pgbroker.subscription s
+         WHERE s.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.client c
+                                     JOIN pgbroker.subscription x ON x.client_key = c.client_key
+                                    WHERE c.name = v_lease.name AND c.epoch < v_lease.epoch
+                                    LIMIT v_left FOR UPDATE OF x SKIP LOCKED));
+        GET DIAGNOSTICS v_done = ROW_COUNT;
+        v_left := v_left - v_done;
+        EXIT WHEN v_left = 0;
+        DELETE FROM pgbroker.client c
+         WHERE c.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.client x
+                                    WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
+                                      AND NOT EXISTS (SELECT FROM pgbroker.subscription s WHERE s.client_key = x.client_key)
+                                    LIMIT v_left FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_done = ROW_COUNT;
+        v_left := v_left - v_done;
+        EXIT WHEN v_left = 0;
+        DELETE FROM pgbroker.state s
+         WHERE s.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.state x
+                                    WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
+                                    LIMIT v_left FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_done = ROW_COUNT;
+        v_left := v_left - v_done;
+        EXIT WHEN v_left = 0;
+    END LOOP;
+    RETURN broker_sweep.max_rows - v_left;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.broker_sweep(text, integer) IS
+$$Delete up to MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications, interest, subscriptions, clients, broker state, in that order. Returns how many it deleted: call it again until it returns 0.
+Those rows are invisible from the moment a new epoch is claimed; sweeping only frees their space. Nobody waits for a sweep (writers, subscribers and the new broker never touch those rows), and two sweeps skip each other's rows. Call it in autocommit mode, so each batch commits on its own.$$;
 
 -- ===== sql/600_triggers.sql =====
 
@@ -2099,16 +2435,17 @@ RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$
         WITH live AS MATERIALIZED (
-            SELECT l.name FROM pgbroker.lease l
+            SELECT l.name, l.epoch FROM pgbroker.lease l
              WHERE l.state = 'held' AND l.expires_at IS NULL
-               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j WHERE j.watch_id = {{watch_id}} AND j.name = l.name)
+               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
+                                      WHERE j.watch_id = {{watch_id}} AND j.name = l.name AND j.epoch = l.epoch)
                         THEN {{alive_and_woken:l}} END)
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
           FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, {{changed_late}} AS changed
                   FROM ({{keyed}} OFFSET 0) k
                   JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
-                  JOIN live ON live.name = i.name
+                  JOIN live ON live.name = i.name AND live.epoch = i.epoch
                 OFFSET 0) z  -- compared after the join: only subscribed rows' columns
          WHERE z.op <> 'U' OR cardinality(z.changed) > 0$t$
 $template$;
@@ -2116,7 +2453,7 @@ COMMENT ON FUNCTION pgbroker._watch_bulk_template() IS
     'Internal: template of the INSERT ... SELECT by which the watch triggers fan out the changes of a large statement.';
 
 -- Tables with whole-table subscribers: each change's subscribers merged with
--- those, per broker.
+-- those, per broker and epoch.
 CREATE FUNCTION pgbroker._watch_merged_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
@@ -2134,24 +2471,27 @@ AS $template$ SELECT $t$
                       CASE WHEN w.clients IS NULL THEN r.clients
                            ELSE ARRAY(SELECT DISTINCT c FROM unnest(r.clients || w.clients) AS c ORDER BY 1) END
                  FROM pgbroker.interest r
-                 LEFT JOIN whole w ON w.name = r.name
+                 LEFT JOIN whole w ON w.name = r.name AND w.epoch = r.epoch
                 WHERE r.watch_id = {{watch_id}} AND r.row_key = k.row_key
                UNION ALL
                -- ... and the whole-table ones of brokers with no subscriber of the row.
                SELECT w.name, w.epoch, w.lock_key, w.clients
                  FROM whole w
                 WHERE NOT EXISTS (SELECT FROM pgbroker.interest r
-                                   WHERE r.watch_id = {{watch_id}} AND r.row_key = k.row_key AND r.name = w.name)
+                                   WHERE r.watch_id = {{watch_id}} AND r.row_key = k.row_key AND r.name = w.name
+                                     AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE {{alive_and_woken:t}}$t$
 $template$;
 COMMENT ON FUNCTION pgbroker._watch_merged_template() IS
     'Internal: template of the INSERT ... SELECT of a table with whole-table subscribers (merged per change and broker).';
 
--- Whether the holder of the broker of row {{r}} is alive, and if so its
--- wake-up.  Evaluated before the outbox row is written, in this order:
---   - no session holds the lease (the alive lock is free, and this session
---     is not the holder): write nothing;
+-- Whether the holder of the broker of row {{r}} (a lease, or the interest of
+-- one of its epochs) is alive, and if so its wake-up.  Evaluated before the
+-- outbox row is written, in this order:
+--   - no session holds that epoch (its alive lock is free, and this session
+--     is not its holder): the broker is gone, or that epoch was replaced by
+--     a new claim and its rows wait for broker_sweep(): write nothing;
 --   - the broker is going to sleep (broker_sleep() holds or awaits the drain
 --     lock): NOTIFY it;
 --   - it sleeps (the awake lock is free): NOTIFY it, holding the drain lock
@@ -2164,11 +2504,11 @@ CREATE FUNCTION pgbroker._watch_alive_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), {{r}}.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), {{r}}.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = {{r}}.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = {{r}}.lock_key AND h.epoch = {{r}}.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), {{r}}.lock_key)
@@ -2233,7 +2573,7 @@ COMMENT ON FUNCTION pgbroker._watch_trigger_template() IS
     'Internal: template of the INSERT, UPDATE and DELETE trigger functions of a watched table (see sql/600_triggers.sql).';
 
 -- The TRUNCATE trigger function: every client with any interest in the table
--- hears of it, one row per broker.
+-- hears of it, one row per broker (of its live epoch).
 CREATE FUNCTION pgbroker._watch_truncate_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
@@ -2246,12 +2586,12 @@ BEGIN
         PERFORM set_config('jit', 'off', true);  -- the estimate grows with the table's interest rows
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT t.name, t.epoch, {{watch_id}}, 'T', NULL, NULL, t.clients
-          FROM (SELECT i.name, max(i.epoch) AS epoch, min(i.lock_key) AS lock_key,
+          FROM (SELECT i.name, i.epoch, min(i.lock_key) AS lock_key,
                        ARRAY(SELECT DISTINCT c FROM pgbroker.interest j, unnest(j.clients) AS c
-                              WHERE j.watch_id = {{watch_id}} AND j.name = i.name ORDER BY 1) AS clients
+                              WHERE j.watch_id = {{watch_id}} AND j.name = i.name AND j.epoch = i.epoch ORDER BY 1) AS clients
                   FROM pgbroker.interest i
                  WHERE i.watch_id = {{watch_id}}
-                 GROUP BY i.name) t
+                 GROUP BY i.name, i.epoch) t
          WHERE {{alive_and_woken:t}};
         PERFORM set_config('jit', v_jit, true);
     ELSE
@@ -3100,7 +3440,7 @@ $$Take a permit of semaphore NAME, of which at most LIMIT (1 to 1000) are handed
 Session scope: held until semaphore_release(NAME) or the session ends (a crashed holder's permit is free at once).
 WAIT: '0' (the default) tries once and never blocks; an interval waits up to that long; NULL waits as long as it takes; negative: 22023.
 Callers passing different limits: a caller with limit L competes for permits 1..L only. No order among waiters.
-To be woken at once by a release, LISTEN on semaphore_channel(NAME) and retry with WAIT '0' on each notification (see README).$$;
+To be woken at once by a release, LISTEN on semaphore_channel(NAME) and retry with WAIT '0' on each notification (sql/README.md, "Semaphores").$$;
 
 CREATE FUNCTION pgbroker.semaphore_release(name text)
 RETURNS boolean
@@ -3448,7 +3788,9 @@ COMMENT ON FUNCTION pgbroker.counter_set(text, bigint, bigint) IS
 -- ===== sql/700_views.sql =====
 
 -- pgbroker: the views, the read-only interface for operators, frontends and
--- pgbroker_reader.  Tables are not an interface; these are.
+-- pgbroker_reader.  Tables are not an interface; these are.  A broker's
+-- clients, subscriptions, state and outbox are shown for the lease's current
+-- epoch only: what earlier epochs left is invisible (sweep_backlog counts it).
 
 -- ---------------------------------------------------------------------------
 -- Views for operators and frontends.
@@ -3527,21 +3869,25 @@ COMMENT ON COLUMN pgbroker.broker_state.updated_at IS 'When it was last set.';
 
 CREATE VIEW pgbroker.watched_tables AS
 SELECT w.relid::regclass AS "table", w.key_columns, w.watched_at,
-       (SELECT count(*) FROM pgbroker.subscription s WHERE s.watch_id = w.watch_id) AS subscriptions
+       (SELECT count(*) FROM pgbroker.subscription s
+          JOIN pgbroker.client c ON c.client_key = s.client_key
+          JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
+         WHERE s.watch_id = w.watch_id) AS subscriptions
   FROM pgbroker.watched w;
 COMMENT ON VIEW pgbroker.watched_tables IS 'Tables watched by pgbroker, with their key columns and number of subscriptions.';
 COMMENT ON COLUMN pgbroker.watched_tables."table" IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.watched_tables.key_columns IS 'Its primary-key columns, in the order used by key encoding.';
 COMMENT ON COLUMN pgbroker.watched_tables.watched_at IS 'When watch() last installed its triggers.';
-COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscriptions to it.';
+COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscriptions to it (of the brokers'' current epochs).';
 
 CREATE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
        CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
   FROM pgbroker.subscription s
   JOIN pgbroker.client c ON c.client_key = s.client_key
+  JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
   JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
-COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what.';
+COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what (clients of the brokers'' current epochs).';
 COMMENT ON COLUMN pgbroker.subscriptions.name IS 'Broker (lease name) of the client.';
 COMMENT ON COLUMN pgbroker.subscriptions.client_id IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscriptions."table" IS 'The watched table.';
@@ -3551,8 +3897,9 @@ COMMENT ON COLUMN pgbroker.subscriptions.subscribed_at IS 'When.';
 CREATE VIEW pgbroker.outbox_pending AS
 SELECT o.name, count(*) AS pending, min(o.at) AS oldest
   FROM pgbroker.outbox o
+  JOIN pgbroker.lease l ON l.name = o.name AND l.epoch = o.epoch
  GROUP BY o.name;
-COMMENT ON VIEW pgbroker.outbox_pending IS 'Undelivered notifications per broker: how many and since when.';
+COMMENT ON VIEW pgbroker.outbox_pending IS 'Undelivered notifications per broker (of its current epoch): how many and since when.';
 COMMENT ON COLUMN pgbroker.outbox_pending.name IS 'Broker (lease name).';
 COMMENT ON COLUMN pgbroker.outbox_pending.pending IS 'Notifications not yet acknowledged.';
 COMMENT ON COLUMN pgbroker.outbox_pending.oldest IS 'Statement time of the oldest one.';
@@ -3560,9 +3907,8 @@ COMMENT ON COLUMN pgbroker.outbox_pending.oldest IS 'Statement time of the oldes
 CREATE VIEW pgbroker.clients AS
 SELECT c.name, c.epoch, c.client_id, c.info, c.registered_at, c.updated_at,
        (SELECT count(*) FROM pgbroker.subscription s WHERE s.client_key = c.client_key)::integer AS subscriptions
-  FROM pgbroker.client c
-  JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
- WHERE pgbroker.broker_alive(l.name);
+  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l WHERE pgbroker.broker_alive(l.name) OFFSET 0) l  -- once per lease
+  JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch;
 COMMENT ON VIEW pgbroker.clients IS 'Clients connected to live brokers, with their broker (lease name) and epoch.';
 COMMENT ON COLUMN pgbroker.clients.name IS 'Lease name of the broker the client is connected to.';
 COMMENT ON COLUMN pgbroker.clients.epoch IS 'Epoch of that broker.';
@@ -3571,6 +3917,25 @@ COMMENT ON COLUMN pgbroker.clients.info IS 'What the broker knows of the client 
 COMMENT ON COLUMN pgbroker.clients.registered_at IS 'When it was registered.';
 COMMENT ON COLUMN pgbroker.clients.updated_at IS 'When its info last changed.';
 COMMENT ON COLUMN pgbroker.clients.subscriptions IS 'How many subscriptions it has.';
+
+CREATE VIEW pgbroker.sweep_backlog AS
+SELECT l.name, l.epoch,
+       (SELECT count(*) FROM pgbroker.client c WHERE c.name = l.name AND c.epoch < l.epoch) AS clients,
+       (SELECT count(*) FROM pgbroker.client c JOIN pgbroker.subscription s ON s.client_key = c.client_key
+         WHERE c.name = l.name AND c.epoch < l.epoch) AS subscriptions,
+       (SELECT count(*) FROM pgbroker.interest i WHERE i.name = l.name AND i.epoch < l.epoch) AS interest,
+       (SELECT count(*) FROM pgbroker.outbox o WHERE o.name = l.name AND o.epoch < l.epoch) AS outbox,
+       (SELECT count(*) FROM pgbroker.state s WHERE s.name = l.name AND s.epoch < l.epoch) AS state
+  FROM pgbroker.lease l;
+COMMENT ON VIEW pgbroker.sweep_backlog IS
+    'Per lease: the rows its earlier epochs left that broker_sweep() has yet to delete (invisible everywhere else; they only take space).';
+COMMENT ON COLUMN pgbroker.sweep_backlog.name IS 'Lease name.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.epoch IS 'Its current epoch.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.clients IS 'Clients of earlier epochs.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.subscriptions IS 'Their subscriptions.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.interest IS 'Interest rows of earlier epochs (what the triggers read).';
+COMMENT ON COLUMN pgbroker.sweep_backlog.outbox IS 'Notifications of earlier epochs, never to be fetched.';
+COMMENT ON COLUMN pgbroker.sweep_backlog.state IS 'Broker state rows of earlier epochs.';
 
 -- ---------------------------------------------------------------------------
 -- The coordination primitives.  pg_stat_activity shows other roles' sessions
@@ -3672,11 +4037,14 @@ SELECT b.name,
        (SELECT count(*) FROM pgbroker.clients c WHERE c.name = b.name)::integer AS clients,
        (SELECT COALESCE(sum(c.subscriptions), 0) FROM pgbroker.clients c WHERE c.name = b.name)::integer AS subscriptions,
        COALESCE(o.pending, 0)::bigint AS outbox_backlog,
-       pg_catalog.clock_timestamp() - o.oldest AS outbox_oldest_age
+       pg_catalog.clock_timestamp() - o.oldest AS outbox_oldest_age,
+       (w.clients + w.subscriptions + w.interest + w.outbox + w.state)::bigint AS sweep_backlog,
+       b.claimed_at
   FROM pgbroker.brokers b
-  LEFT JOIN pgbroker.outbox_pending o ON o.name = b.name;
+  LEFT JOIN pgbroker.outbox_pending o ON o.name = b.name
+  LEFT JOIN pgbroker.sweep_backlog w ON w.name = b.name;
 COMMENT ON VIEW pgbroker.broker_overview IS
-    'One row per broker (lease name): holder, liveness, takeovers, clients, subscriptions and outbox backlog. What pgbroker status shows.';
+    'One row per broker (lease name): holder, liveness, takeovers, clients, subscriptions, outbox backlog and what is left to sweep. What pgbroker status shows.';
 COMMENT ON COLUMN pgbroker.broker_overview.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.broker_overview.epoch IS 'Current epoch (fencing token).';
 COMMENT ON COLUMN pgbroker.broker_overview.state IS 'new, held or released.';
@@ -3689,6 +4057,8 @@ COMMENT ON COLUMN pgbroker.broker_overview.clients IS 'Clients registered by the
 COMMENT ON COLUMN pgbroker.broker_overview.subscriptions IS 'Subscriptions of those clients.';
 COMMENT ON COLUMN pgbroker.broker_overview.outbox_backlog IS 'Notifications not yet acknowledged (pgbroker.outbox_pending).';
 COMMENT ON COLUMN pgbroker.broker_overview.outbox_oldest_age IS 'Age of the oldest of them; NULL when there is none.';
+COMMENT ON COLUMN pgbroker.broker_overview.sweep_backlog IS 'Rows earlier epochs left that broker_sweep() has yet to delete (pgbroker.sweep_backlog).';
+COMMENT ON COLUMN pgbroker.broker_overview.claimed_at IS 'When the current epoch was claimed.';
 
 -- ---------------------------------------------------------------------------
 -- Health checks that the database alone can answer.  `pgbroker doctor` adds
@@ -3729,6 +4099,15 @@ SELECT 'watch_triggers', w."table"::text,
                                          AND g.tgenabled <> 'D')
                     ORDER BY e.name) AS missing) t
 UNION ALL
+SELECT 'sweep', o.name,
+       o.sweep_backlog = 0 OR o.claimed_at > pg_catalog.clock_timestamp() - interval '5 min',
+       CASE WHEN o.sweep_backlog = 0 THEN 'nothing of an earlier epoch is left'
+            ELSE pg_catalog.format('%s row(s) of earlier epochs left to sweep (epoch %s claimed %s ago)', o.sweep_backlog,
+                                   o.epoch, date_trunc('second', pg_catalog.clock_timestamp() - o.claimed_at)) END,
+       CASE WHEN o.sweep_backlog > 0 AND o.claimed_at <= pg_catalog.clock_timestamp() - interval '5 min'
+            THEN 'nobody sweeps this lease: run pgbroker sweep, or call SELECT pgbroker.broker_sweep() until it returns 0 (the Python Broker does after its claim)' END
+  FROM pgbroker.broker_overview o
+UNION ALL
 SELECT 'broker_alive', o.name,
        o.alive OR o.state <> 'held',
        CASE WHEN o.alive THEN pg_catalog.format('epoch %s is held by pid %s', o.epoch, o.holder_pid)
@@ -3738,8 +4117,8 @@ SELECT 'broker_alive', o.name,
             THEN 'no broker runs for this lease: start one (it takes over with the next epoch)' END
   FROM pgbroker.broker_overview o;
 COMMENT ON VIEW pgbroker.health IS
-    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, dead brokers. One row per check and subject; fix says what to do when ok is false.';
-COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers or broker_alive.';
+    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, dead brokers. One row per check and subject; fix says what to do when ok is false.';
+COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep or broker_alive.';
 COMMENT ON COLUMN pgbroker.health.subject IS 'What was checked: a lease name, a watched table, or empty.';
 COMMENT ON COLUMN pgbroker.health.ok IS 'False when something needs fixing.';
 COMMENT ON COLUMN pgbroker.health.detail IS 'What was found.';
@@ -3770,14 +4149,16 @@ SELECT v.metric, pg_catalog.jsonb_build_object('name', o.name) AS labels, v.valu
         'Notifications not yet acknowledged by the broker.'),
        ('pgbroker_broker_outbox_oldest_age_seconds',
         COALESCE(EXTRACT(epoch FROM o.outbox_oldest_age), 0)::double precision,
-        'Age in seconds of the oldest unacknowledged notification (0 when none).')
+        'Age in seconds of the oldest unacknowledged notification (0 when none).'),
+       ('pgbroker_broker_sweep_backlog', o.sweep_backlog::double precision,
+        'Rows earlier epochs of the lease left that broker_sweep() has yet to delete.')
      ) AS v(metric, value, help)
  WHERE v.value IS NOT NULL
 UNION ALL
 SELECT 'pgbroker_notify_queue_usage', '{}'::jsonb, pg_catalog.pg_notification_queue_usage(),
        'Fraction of the NOTIFY queue in use (pg_notification_queue_usage()).';
 COMMENT ON VIEW pgbroker.metrics IS
-    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age per broker, NOTIFY queue usage.';
+    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage.';
 COMMENT ON COLUMN pgbroker.metrics.metric IS 'Metric name (the same as postgres_exporter''s through pgbroker/queries.yaml).';
 COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name).';
 COMMENT ON COLUMN pgbroker.metrics.value IS 'The sample''s value.';
@@ -3799,7 +4180,8 @@ COMMENT ON COLUMN pgbroker.metrics.help IS 'HELP text of the metric.';
 --   pgbroker_admin   all three, plus takeover => true, watch, unwatch, pruning
 -- Tables and internal (_-prefixed) functions are never granted: the API
 -- functions (SECURITY DEFINER, search_path pinned) and the views are the
--- interface.  A test compares what each role may execute with the README.
+-- interface.  A test compares what each role may execute with the role table
+-- of sql/README.md.
 
 -- Functions are created with EXECUTE for PUBLIC: take it all back first.
 -- (ALTER DEFAULT PRIVILEGES IN SCHEMA cannot take away the global default.)
@@ -3826,6 +4208,7 @@ GRANT SELECT ON
     pgbroker.semaphores,
     pgbroker.kv,
     pgbroker.counters,
+    pgbroker.sweep_backlog,
     pgbroker.broker_overview,
     pgbroker.health,
     pgbroker.metrics
@@ -3845,15 +4228,18 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_state_set(text, text, jsonb),
     pgbroker.broker_state_delete(text, text),
     pgbroker.client_register(text, jsonb, text, bigint),
+    pgbroker.client_register_many(text[], jsonb[], text, bigint),
     pgbroker.client_update(text, jsonb, text, bigint),
     pgbroker.client_unregister(text, text, bigint),
     pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval),
+    pgbroker.subscribe_many(text[], regclass, jsonb[], text, bigint, interval),
     pgbroker.unsubscribe(text, regclass, jsonb, text, bigint),
     pgbroker.outbox_fetch(text, integer, bigint[]),
     pgbroker.outbox_ack(text, bigint[]),
     pgbroker.broker_wake(text),
     pgbroker.broker_sleep(text, interval),
-    pgbroker.wakeup_channel(text)
+    pgbroker.wakeup_channel(text),
+    pgbroker.broker_sweep(text, integer)
 TO pgbroker_broker;
 
 -- Users: the coordination primitives.

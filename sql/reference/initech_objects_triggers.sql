@@ -38,11 +38,11 @@ BEGIN
                         WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
                 OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), z.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), z.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = z.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = z.lock_key AND h.epoch = z.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
@@ -70,21 +70,22 @@ BEGIN
                       CASE WHEN w.clients IS NULL THEN r.clients
                            ELSE ARRAY(SELECT DISTINCT c FROM unnest(r.clients || w.clients) AS c ORDER BY 1) END
                  FROM pgbroker.interest r
-                 LEFT JOIN whole w ON w.name = r.name
+                 LEFT JOIN whole w ON w.name = r.name AND w.epoch = r.epoch
                 WHERE r.watch_id = 1 AND r.row_key = k.row_key
                UNION ALL
                -- ... and the whole-table ones of brokers with no subscriber of the row.
                SELECT w.name, w.epoch, w.lock_key, w.clients
                  FROM whole w
                 WHERE NOT EXISTS (SELECT FROM pgbroker.interest r
-                                   WHERE r.watch_id = 1 AND r.row_key = k.row_key AND r.name = w.name)
+                                   WHERE r.watch_id = 1 AND r.row_key = k.row_key AND r.name = w.name
+                                     AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), t.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), t.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
@@ -97,15 +98,16 @@ BEGIN
             ELSE
                 EXECUTE '
         WITH live AS MATERIALIZED (
-            SELECT l.name FROM pgbroker.lease l
+            SELECT l.name, l.epoch FROM pgbroker.lease l
              WHERE l.state = ''held'' AND l.expires_at IS NULL
-               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j WHERE j.watch_id = 1 AND j.name = l.name)
+               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
+                                      WHERE j.watch_id = 1 AND j.name = l.name AND j.epoch = l.epoch)
                         THEN CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), l.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), l.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.state = ''held''
+                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = ''held''
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
@@ -120,7 +122,7 @@ BEGIN
           FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, NULL::text[] AS changed
                   FROM (SELECT ''I''::"char" AS op, to_jsonb(n.id) AS row_key FROM pgbroker_new n OFFSET 0) k
                   JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
-                  JOIN live ON live.name = i.name
+                  JOIN live ON live.name = i.name AND live.epoch = i.epoch
                 OFFSET 0) z  -- compared after the join: only subscribed rows'' columns
          WHERE z.op <> ''U'' OR cardinality(z.changed) > 0';
             END IF;
@@ -137,11 +139,11 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), l.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), l.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
@@ -195,11 +197,11 @@ BEGIN
                         WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
                 OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), z.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), z.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = z.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = z.lock_key AND h.epoch = z.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
@@ -232,21 +234,22 @@ BEGIN
                       CASE WHEN w.clients IS NULL THEN r.clients
                            ELSE ARRAY(SELECT DISTINCT c FROM unnest(r.clients || w.clients) AS c ORDER BY 1) END
                  FROM pgbroker.interest r
-                 LEFT JOIN whole w ON w.name = r.name
+                 LEFT JOIN whole w ON w.name = r.name AND w.epoch = r.epoch
                 WHERE r.watch_id = 1 AND r.row_key = k.row_key
                UNION ALL
                -- ... and the whole-table ones of brokers with no subscriber of the row.
                SELECT w.name, w.epoch, w.lock_key, w.clients
                  FROM whole w
                 WHERE NOT EXISTS (SELECT FROM pgbroker.interest r
-                                   WHERE r.watch_id = 1 AND r.row_key = k.row_key AND r.name = w.name)
+                                   WHERE r.watch_id = 1 AND r.row_key = k.row_key AND r.name = w.name
+                                     AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), t.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), t.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
@@ -259,15 +262,16 @@ BEGIN
             ELSE
                 EXECUTE '
         WITH live AS MATERIALIZED (
-            SELECT l.name FROM pgbroker.lease l
+            SELECT l.name, l.epoch FROM pgbroker.lease l
              WHERE l.state = ''held'' AND l.expires_at IS NULL
-               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j WHERE j.watch_id = 1 AND j.name = l.name)
+               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
+                                      WHERE j.watch_id = 1 AND j.name = l.name AND j.epoch = l.epoch)
                         THEN CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), l.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), l.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.state = ''held''
+                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = ''held''
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
@@ -284,7 +288,7 @@ BEGIN
                      CASE WHEN n.id IS NULL THEN to_jsonb(o.id) ELSE to_jsonb(n.id) END AS row_key, n, o
                 FROM pgbroker_new n FULL JOIN pgbroker_old o ON n.id = o.id OFFSET 0) k
                   JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
-                  JOIN live ON live.name = i.name
+                  JOIN live ON live.name = i.name AND live.epoch = i.epoch
                 OFFSET 0) z  -- compared after the join: only subscribed rows'' columns
          WHERE z.op <> ''U'' OR cardinality(z.changed) > 0';
             END IF;
@@ -306,11 +310,11 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), l.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), l.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
@@ -359,11 +363,11 @@ BEGIN
                         WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
                 OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), z.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), z.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = z.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = z.lock_key AND h.epoch = z.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
@@ -391,21 +395,22 @@ BEGIN
                       CASE WHEN w.clients IS NULL THEN r.clients
                            ELSE ARRAY(SELECT DISTINCT c FROM unnest(r.clients || w.clients) AS c ORDER BY 1) END
                  FROM pgbroker.interest r
-                 LEFT JOIN whole w ON w.name = r.name
+                 LEFT JOIN whole w ON w.name = r.name AND w.epoch = r.epoch
                 WHERE r.watch_id = 1 AND r.row_key = k.row_key
                UNION ALL
                -- ... and the whole-table ones of brokers with no subscriber of the row.
                SELECT w.name, w.epoch, w.lock_key, w.clients
                  FROM whole w
                 WHERE NOT EXISTS (SELECT FROM pgbroker.interest r
-                                   WHERE r.watch_id = 1 AND r.row_key = k.row_key AND r.name = w.name)
+                                   WHERE r.watch_id = 1 AND r.row_key = k.row_key AND r.name = w.name
+                                     AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), t.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), t.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
@@ -418,15 +423,16 @@ BEGIN
             ELSE
                 EXECUTE '
         WITH live AS MATERIALIZED (
-            SELECT l.name FROM pgbroker.lease l
+            SELECT l.name, l.epoch FROM pgbroker.lease l
              WHERE l.state = ''held'' AND l.expires_at IS NULL
-               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j WHERE j.watch_id = 1 AND j.name = l.name)
+               AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
+                                      WHERE j.watch_id = 1 AND j.name = l.name AND j.epoch = l.epoch)
                         THEN CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), l.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), l.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.state = ''held''
+                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = ''held''
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
@@ -441,7 +447,7 @@ BEGIN
           FROM (SELECT i.name, i.epoch, i.clients, k.op, k.row_key, NULL::text[] AS changed
                   FROM (SELECT ''D''::"char" AS op, to_jsonb(o.id) AS row_key FROM pgbroker_old o OFFSET 0) k
                   JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
-                  JOIN live ON live.name = i.name
+                  JOIN live ON live.name = i.name AND live.epoch = i.epoch
                 OFFSET 0) z  -- compared after the join: only subscribed rows'' columns
          WHERE z.op <> ''U'' OR cardinality(z.changed) > 0';
             END IF;
@@ -458,11 +464,11 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), l.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), l.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
@@ -496,18 +502,18 @@ BEGIN
         PERFORM set_config('jit', 'off', true);  -- the estimate grows with the table's interest rows
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT t.name, t.epoch, 1, 'T', NULL, NULL, t.clients
-          FROM (SELECT i.name, max(i.epoch) AS epoch, min(i.lock_key) AS lock_key,
+          FROM (SELECT i.name, i.epoch, min(i.lock_key) AS lock_key,
                        ARRAY(SELECT DISTINCT c FROM pgbroker.interest j, unnest(j.clients) AS c
-                              WHERE j.watch_id = 1 AND j.name = i.name ORDER BY 1) AS clients
+                              WHERE j.watch_id = 1 AND j.name = i.name AND j.epoch = i.epoch ORDER BY 1) AS clients
                   FROM pgbroker.interest i
                  WHERE i.watch_id = 1
-                 GROUP BY i.name) t
+                 GROUP BY i.name, i.epoch) t
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), t.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), t.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
@@ -524,11 +530,11 @@ BEGIN
           FROM pgbroker.lease l
          WHERE l.state = 'held' AND l.expires_at IS NULL
            AND CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), l.lock_key)
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), l.lock_key)
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
+                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
                           -- Free, or held by this very session (its own locks never conflict).
                           THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.state = 'held'
+                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
                                           AND h.holder_pid = pg_backend_pid()
                                           AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)

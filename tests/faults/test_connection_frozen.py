@@ -12,7 +12,7 @@ successor waiting on the lease cannot act before that.  Without ``dead_man``
 nothing would ever free the lease: the server's keepalives are answered.
 And ``close()`` returns while the connection is still frozen: the stuck
 heartbeat holds the connection's lock, so after ``keepalive.user_timeout``
-+ 1 s the broker shuts its socket down (it used to wait forever).  The history (claims,
++ 1 s the broker shuts its socket down.  The history (claims,
 fenced writes, the step-down) is checked against ``pgbroker.lease_history``
 and the fenced rows on the server.
 """
