@@ -15,11 +15,12 @@ Everything without I/O (statements, settings, state, :meth:`check`) is in
 from __future__ import annotations
 
 import asyncio  # ASYNC
+import contextlib  # ASYNC
 import inspect  # ASYNC
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable  # sync: from collections.abc import Iterable, Iterator
 from typing import Any
 
 import psycopg
@@ -38,6 +39,7 @@ from pgbroker._core import (
     DEAD_MAN_SQL,
     FETCH_SQL,
     HEARTBEAT_SQL,
+    REGISTER_MANY_SQL,
     REGISTER_SQL,
     RELEASE_SQL,
     SCHEMA_VERSION_SQL,
@@ -46,7 +48,10 @@ from pgbroker._core import (
     STATE_DELETE_SQL,
     STATE_SET_SQL,
     STATUS_SQL,
+    SUBSCRIBE_MANY_SQL,
     SUBSCRIBE_SQL,
+    SWEEP_BATCH,
+    SWEEP_SQL,
     UNREGISTER_SQL,
     UNSUBSCRIBE_SQL,
     WAKE_SQL,
@@ -57,6 +62,9 @@ from pgbroker._core import (
     _ms,
     _raise_translated,
     _Waiter,
+    batches,
+    register_params,
+    subscribe_params,
 )
 from pgbroker.errors import LeaseLost, PgBrokerError, schema_error
 
@@ -84,6 +92,10 @@ class AsyncBroker(_BrokerBase):
     loss (usually the heartbeat runner); keep it short.  In the asyncio
     flavour it may also be a coroutine function.  ``application_name`` is
     recorded as ``holder_application``; ``connect_timeout`` is in seconds.
+    ``sweep``: after the claim, delete what earlier epochs of the lease left
+    (``broker_sweep``), on a connection of its own, in batches that take at
+    most about half of one CPU, until nothing is left (they are invisible
+    from the claim on; this only frees their space).
 
     The connection must reach a real session (direct, or a pooler in session
     mode): the lease is a session-level advisory lock.
@@ -102,11 +114,14 @@ class AsyncBroker(_BrokerBase):
 
     _conn: psycopg.AsyncConnection[Any] | None
     _runner: asyncio.Task[None] | None  # sync: _runner: threading.Thread | None
+    _sweeper: asyncio.Task[None] | None  # sync: _sweeper: threading.Thread | None
 
     def _setup(self) -> None:
         self._conn = None
         self._lock = asyncio.Lock()
         self._runner = None
+        self._sweeper = None
+        self._sweep_stop = asyncio.Event()  # sync: self._sweep_stop = threading.Event()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -155,6 +170,8 @@ class AsyncBroker(_BrokerBase):
         self._last_ok, self._heartbeat_at = sent, hb[0]
         self._state = "held"
         self._start_heartbeats()
+        if self.sweep:
+            self._start_sweeper()
         return self._epoch
 
     async def release(self) -> bool:
@@ -176,6 +193,7 @@ class AsyncBroker(_BrokerBase):
 
     async def close(self) -> None:
         """Release the lease if held (best effort) and close the connection.  Idempotent."""
+        await self._stop_sweeper()
         await self._stop_heartbeats()
         if self._state == "held":
             try:
@@ -231,6 +249,44 @@ class AsyncBroker(_BrokerBase):
         """Register a client of this broker (``client_register``); True when it is new."""
         params = {"client_id": client_id, "info": Jsonb(info or {}), "name": self.name}
         return bool(await self._scalar(REGISTER_SQL, params))
+
+    async def register_many(self, clients: Iterable[str | tuple[str, Any]], *, batch_size: int = 10_000) -> int:
+        """Register many clients, ``batch_size`` per statement (``client_register_many``); returns how many were new.
+
+        Each item is a client id, or a ``(client_id, info)`` pair.  One round
+        trip per batch, the reconnect path after a restart: a broker whose
+        clients come back registers them all, then :meth:`subscribe_many`.
+        Each batch commits on its own: when one fails (an invalid id, its
+        position in the batch named in the message), the batches before it
+        are kept and nothing of it is.
+        """
+        new = 0
+        for batch in batches(clients, batch_size):
+            new += int(await self._scalar(REGISTER_MANY_SQL, register_params(self.name, batch)))
+        return new
+
+    async def subscribe_many(
+        self,
+        subscriptions: Iterable[tuple[str, Any]],
+        table: str,
+        *,
+        wait: float = 5.0,
+        batch_size: int = 10_000,
+    ) -> int:
+        """Subscribe many ``(client_id, key)`` pairs to rows of ``table`` (key None: the whole table).
+
+        ``batch_size`` per statement (``subscribe_many``): one round trip and
+        one wait for the table's writers per batch, with the guarantee of
+        :meth:`subscribe` (no gap: read the rows after this returns).  Returns
+        how many subscriptions were new.  Each batch commits on its own: when
+        one fails (:class:`UnknownClient`, a bad key; the message names the
+        position in the batch), the batches before it are kept.
+        """
+        new = 0
+        for batch in batches(subscriptions, batch_size):
+            params = subscribe_params(self.name, table, batch, _interval(wait, "wait"))
+            new += int(await self._scalar(SUBSCRIBE_MANY_SQL, params))
+        return new
 
     async def update_client(self, client_id: str, info: Any) -> None:
         """Replace a registered client's info; :class:`UnknownClient` when it is not registered."""
@@ -413,6 +469,57 @@ class AsyncBroker(_BrokerBase):
                     runner.join(1.0)
         waiter.close()
         self._runner = self._waiter = None
+
+    def _start_sweeper(self) -> None:
+        self._sweep_stop.clear()
+        sweeper_name = f"pgbroker-sweep-{self.name}"
+        if True:  # ASYNC
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_main(), name=sweeper_name)
+        else:
+            self._sweeper = threading.Thread(target=self._sweep_main, name=sweeper_name, daemon=True)
+            self._sweeper.start()
+
+    async def _stop_sweeper(self) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is None:
+            return
+        self._sweep_stop.set()
+        if True:  # ASYNC
+            if sweeper is not asyncio.current_task():
+                await asyncio.wait({sweeper}, timeout=self.connect_timeout + 5.0)
+        else:
+            if sweeper is not threading.current_thread():
+                sweeper.join(self.connect_timeout + 5.0)
+
+    async def _sweep_main(self) -> None:
+        """Delete what earlier epochs of the lease left, a batch per ``broker_sweep()`` call, on a connection of
+        its own; pause as long as each batch took, so it never takes more than about half of one CPU."""
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.url, **self._connect_params())
+        except psycopg.Error as exc:
+            log.warning("sweeper of %r could not connect: %s", self, exc)
+            return
+        try:
+            swept = 0
+            while self._state == "held" and not self._sweep_stop.is_set():
+                started = time.monotonic()
+                cur = await conn.execute(SWEEP_SQL, {"name": self.name, "max_rows": SWEEP_BATCH})
+                row = await cur.fetchone()
+                if not row or not row[0]:
+                    break
+                swept += row[0]
+                pause = time.monotonic() - started
+                if True:  # ASYNC
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._sweep_stop.wait(), timeout=pause)
+                else:
+                    self._sweep_stop.wait(pause)
+            if swept:
+                log.info("%r swept %d rows of earlier epochs", self, swept)
+        except psycopg.Error as exc:
+            log.warning("sweeper of %r stopped: %s", self, exc)
+        finally:
+            await conn.close()
 
     async def _heartbeat_main(self) -> None:
         try:

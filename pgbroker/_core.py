@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -63,12 +63,21 @@ STATE_SET_SQL = "SELECT pgbroker.broker_state_set(name => %(name)s, key => %(key
 STATE_DELETE_SQL = "SELECT pgbroker.broker_state_delete(name => %(name)s, key => %(key)s)"
 STATUS_SQL = "SELECT * FROM pgbroker.brokers WHERE name = %(name)s"
 REGISTER_SQL = "SELECT pgbroker.client_register(client_id => %(client_id)s, info => %(info)s, name => %(name)s)"
+REGISTER_MANY_SQL = (
+    "SELECT pgbroker.client_register_many(client_ids => %(client_ids)s::text[], infos => %(infos)s::jsonb[],"
+    " name => %(name)s)"
+)
 CLIENT_UPDATE_SQL = "SELECT pgbroker.client_update(client_id => %(client_id)s, info => %(info)s, name => %(name)s)"
 UNREGISTER_SQL = "SELECT pgbroker.client_unregister(client_id => %(client_id)s, name => %(name)s)"
 SUBSCRIBE_SQL = (
     'SELECT pgbroker.subscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, key => %(key)s,'
     " name => %(name)s, wait => %(wait)s)"
 )
+SUBSCRIBE_MANY_SQL = (
+    'SELECT pgbroker.subscribe_many(client_ids => %(client_ids)s::text[], "table" => %(table)s::regclass,'
+    " keys => %(keys)s::jsonb[], name => %(name)s, wait => %(wait)s)"
+)
+SWEEP_SQL = "SELECT pgbroker.broker_sweep(name => %(name)s, max_rows => %(max_rows)s)"
 UNSUBSCRIBE_SQL = (
     'SELECT pgbroker.unsubscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, key => %(key)s,'
     " name => %(name)s)"
@@ -89,6 +98,44 @@ SELECT * FROM pgbroker.lease_history
 # Pause between two heartbeats triggered by unsolicited data on the socket
 # (NOTICEs, NOTIFYs), so that a stream of them cannot turn into a busy loop.
 _MIN_WAKE_GAP = 0.05
+
+# The sweeper (see _BrokerBase, sweep=): rows per broker_sweep() call.
+SWEEP_BATCH = 5000
+
+
+def batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """``items`` in lists of at most ``size``."""
+    if size < 1:
+        raise ValueError(f"batch_size must be at least 1, not {size!r}")
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def register_params(name: str, batch: list[Any]) -> dict[str, Any]:
+    """Parameters of REGISTER_MANY_SQL for a batch of client ids or ``(client_id, info)`` pairs."""
+    ids: list[Any] = []
+    infos: list[Jsonb | None] = []
+    for item in batch:
+        client_id, info = (item, None) if isinstance(item, str) or not isinstance(item, tuple | list) else item
+        ids.append(client_id)
+        infos.append(None if info is None else Jsonb(info))
+    return {"client_ids": ids, "infos": infos, "name": name}
+
+
+def subscribe_params(name: str, table: str, batch: list[tuple[str, Any]], wait: timedelta | None) -> dict[str, Any]:
+    """Parameters of SUBSCRIBE_MANY_SQL for a batch of ``(client_id, key)`` pairs (key None: the whole table)."""
+    ids: list[Any] = []
+    keys: list[Jsonb | None] = []
+    for client_id, key in batch:
+        ids.append(client_id)
+        keys.append(_key_param(key))
+    return {"client_ids": ids, "table": table, "keys": keys, "name": name, "wait": wait}
 
 
 BACKEND_PID_SQL = "SELECT pg_catalog.pg_backend_pid()"
@@ -260,6 +307,7 @@ class _BrokerBase(abc.ABC):
         on_lost: Callable[[LeaseLost], Any] | None = None,
         application_name: str = "pgbroker",
         connect_timeout: int = 10,
+        sweep: bool = True,
     ):
         self.url = libpq_url(url)
         self.name = name
@@ -278,6 +326,7 @@ class _BrokerBase(abc.ABC):
         self.on_lost = on_lost
         self.application_name = application_name
         self.connect_timeout = connect_timeout
+        self.sweep = sweep
 
         if dead_man is not None and dead_man <= 0:
             raise ValueError(f"dead_man must be positive seconds, not {dead_man!r}")

@@ -9,6 +9,7 @@
     pgbroker subscriptions [--name N] [--limit N] [--json]  who is subscribed to what
     pgbroker watch TABLE / unwatch TABLE        install / remove the fan-out triggers (pgbroker_admin)
     pgbroker prune      [--older-than '30 days']            trim the lease history (pgbroker_admin)
+    pgbroker sweep      [--name N]              delete what earlier epochs left (pgbroker_broker)
     pgbroker metrics                            pgbroker.metrics in Prometheus' text format
     pgbroker doctor     [--json]                check the database and the connection path to it
     pgbroker demo       [--url URL]             the lease at work (a throwaway server without --url)
@@ -74,6 +75,7 @@ OVERVIEW_COLUMNS = [
     ("takeovers", "takeovers"),
     ("outbox_backlog", "outbox backlog"),
     ("outbox_oldest_age", "oldest age"),
+    ("sweep_backlog", "to sweep"),
 ]
 HISTORY_COLUMNS = [
     ("id", "id"),
@@ -118,6 +120,7 @@ SELECT name, client_id, "table"::text AS "table", key, subscribed_at FROM pgbrok
 WATCH_SQL = "SELECT pgbroker.watch(%s::text::regclass)"
 UNWATCH_SQL = "SELECT pgbroker.unwatch(%s::text::regclass)"
 PRUNE_SQL = "SELECT pgbroker.lease_history_prune(%s::interval)"
+SWEEP_SQL = "SELECT pgbroker.broker_sweep(%(name)s, %(max_rows)s)"
 METRICS_SQL = "SELECT metric, labels, value, help FROM pgbroker.metrics ORDER BY metric, labels::text"
 HEALTH_SQL = 'SELECT "check", subject, ok, detail, fix FROM pgbroker.health ORDER BY "check", subject'
 ROLES_SQL = """\
@@ -696,6 +699,27 @@ def prune(url: str | None, older_than: str) -> int:
     with _connection(url) as conn:
         deleted = conn.execute(PRUNE_SQL, (older_than,)).fetchone()[0]
     click.echo(f"pgbroker: pruned {deleted} lease history event(s) older than {older_than}")
+    return EXIT_OK
+
+
+@cli.command(short_help="Delete what earlier epochs left (pgbroker_broker).")
+@_url_option
+@click.option("--name", default=None, help="Only this lease (default: every lease).")
+@_command
+def sweep(url: str | None, name: str | None) -> int:
+    """Delete the clients, subscriptions and notifications earlier epochs left, batch by batch, until none is left.
+
+    They are invisible from the moment a new epoch is claimed (pgbroker.broker_sweep; the Python Broker sweeps
+    after its claim): this frees their space."""
+    url = _require_url(url)
+    total = 0
+    with _connection(url) as conn:
+        while True:
+            done = conn.execute(SWEEP_SQL, {"name": name, "max_rows": 10_000}).fetchone()[0]
+            if not done:
+                break
+            total += done
+    click.echo(f"pgbroker: swept {total} row(s) of earlier epochs")
     return EXIT_OK
 
 
