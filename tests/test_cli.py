@@ -220,10 +220,12 @@ def test_status_shows_clients_and_outbox_per_broker_and_json(db_url, connect):
         "backlog",
         "oldest",
         "age",
+        "to",
+        "sweep",
     ]
     row = next(line for line in lines[heading:] if line.startswith("cli-fan"))
     assert row.split()[:5] == ["cli-fan", "2", "2", "0", str(pending)]
-    assert row.endswith(" s")  # the oldest row's age
+    assert row.split()[5:] == [row.split()[5], "s", "0"]  # the oldest row's age, nothing to sweep
 
     result = pgbroker("status", "--json", "--url", db_url)
     assert result.returncode == 0, result.stderr

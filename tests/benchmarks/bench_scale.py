@@ -1,0 +1,527 @@
+"""Benchmark of a broker restart at size (run on demand).
+
+    python tests/benchmarks/bench_scale.py [--sizes 1000,10000,30000,100000] [--quick]
+
+Starts its own throwaway PostgreSQL with fsync, synchronous_commit and
+full_page_writes ON, installs pgbroker, and for N clients with 10
+subscriptions each on ``initech.objects`` (N rows, each subscribed by 10
+clients, so that a changed row has the same subscribers at every size)
+measures, in the same run:
+
+a) the takeover claim: a holder process with N x 10 subscriptions (and what
+   earlier rounds left behind, never swept in between) is SIGKILLed while a
+   waiter is blocked in ``broker_claim(wait => NULL)``; time from the kill to
+   the claim returning, 3 rounds per size.  Floor: the same with a lease
+   that has no state at all.  Target: at 30k x 10, at most 2x the floor.
+b) re-registration: every client and subscription again, into a new epoch,
+   one autocommit call each (measured on a sample of clients, the total
+   extrapolated), and batched with ``client_register_many`` /
+   ``subscribe_many`` (10,000 per call) from plain SQL (arrays bound as
+   parameters) and through ``Broker.register_many`` / ``subscribe_many``.
+   Floor: a plain ``INSERT ... SELECT FROM unnest(...)`` of the same rows, in
+   the same batches, into a table with the subscriptions' indexes.  Targets:
+   at least 50,000 subscriptions/s, within 3x of the floor.
+c) end to end: the holder is SIGKILLed; a Python ``Broker`` waiting to claim
+   takes over, registers and subscribes everyone (batched), and an UPDATE of a
+   subscribed row is fetched: time from the kill to that row in hand.  The
+   new broker's sweeper runs meanwhile, as it does in production.  Target:
+   under 10 s at 30k x 10.
+d) steady state, after the sweep: a watched single-row UPDATE (random row,
+   10 subscribers, ``synchronous_commit = off`` so the flush does not hide
+   the CPU) and the broker's fetch per delivered row; their ratio to the
+   smallest size.  Target: at 100k x 10, within 1.2x of 1k x 10.  Also the
+   on-disk bytes per subscription (clients, subscriptions, interest, with
+   their indexes) and the sweep's rows per second.
+
+Loopback only; bounded in count and time (a few minutes at the default
+sizes).  Prints a table, one block per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import psycopg  # noqa: E402
+from psycopg.types.json import Jsonb  # noqa: E402
+
+from pgbroker import Broker, install  # noqa: E402
+from pgbroker._embedded import EmbeddedPostgres  # noqa: E402
+
+DURABLE = (
+    "-c fsync=on -c synchronous_commit=on -c full_page_writes=on -c shared_buffers=512MB -c max_wal_size=4GB"
+    " -c checkpoint_timeout=30min"
+)
+LEASE = "scale"
+PER_CLIENT = 10
+BATCH = 10_000
+TAKEOVERS = 3
+EMPTY_CLAIMS = 10
+ONE_CALL_SAMPLE = 500  # clients registered and subscribed one autocommit call each
+UPDATES = 3000  # single-row UPDATEs per size for the steady-state cost
+TARGET_CLAIM_RATIO = 2.0  # at 30k x 10
+TARGET_RATE = 50_000  # subscriptions/s, batched
+TARGET_FLOOR_RATIO = 3.0
+TARGET_E2E_S = 10.0  # at 30k x 10
+TARGET_STEADY_RATIO = 1.2  # at 100k x 10 against 1k x 10
+
+# A holder process: claim, register N clients with 10 subscriptions each (the arrays made by the server), then
+# print its pid and epoch and wait to be killed.
+HOLDER = """
+import sys, time, psycopg
+url, lease, n, per = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+conn = psycopg.connect(url, autocommit=True, application_name="bench-holder")
+epoch = conn.execute("SELECT pgbroker.broker_claim(%s, wait => NULL)", (lease,)).fetchone()[0]
+for lo in range(0, n, 10000):
+    hi = min(n, lo + 10000)
+    conn.execute("SELECT pgbroker.client_register_many(ARRAY(SELECT 'client-' || i FROM generate_series(%s, %s) i),"
+                 " name => %s)", (lo, hi - 1, lease))
+    conn.execute("SELECT pgbroker.subscribe_many(ARRAY(SELECT 'client-' || i FROM generate_series(%s, %s) i,"
+                 " generate_series(0, %s) j ORDER BY i, j), 'initech.objects',"
+                 " ARRAY(SELECT to_jsonb((i + j) %% %s + 1) FROM generate_series(%s, %s) i, generate_series(0, %s) j"
+                 " ORDER BY i, j), name => %s)", (lo, hi - 1, per - 1, n, lo, hi - 1, per - 1, lease))
+print(conn.info.backend_pid, epoch, flush=True)
+time.sleep(3600)
+"""
+
+
+@dataclass
+class Results:
+    rows: list[tuple[str, str, str, str, str]] = field(default_factory=list)
+    figures: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    series: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def add(self, metric: str, ours: str, floor: str, ratio: str, target: str) -> None:
+        self.rows.append((metric, ours, floor, ratio, target))
+
+    def point(self, series: str, size: int, value: float) -> None:
+        self.series.setdefault(series, {})[size] = value
+
+    def table(self) -> str:
+        header = ("metric", "pgbroker", "floor", "ratio", "target")
+        widths = [max(len(r[i]) for r in [header, *self.rows]) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *self.rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n // 1000}k x {PER_CLIENT}" if n >= 1000 else f"{n} x {PER_CLIENT}"
+
+
+def _ids(lo: int, hi: int) -> list[str]:
+    return [f"client-{i}" for i in range(lo, hi)]
+
+
+def _pairs(n: int, lo: int, hi: int) -> tuple[list[str], list[int]]:
+    """Client ids and keys of clients lo..hi-1: client i subscribes to rows (i + j) mod n + 1, j < 10."""
+    ids, keys = [], []
+    for i in range(lo, hi):
+        for j in range(PER_CLIENT):
+            ids.append(f"client-{i}")
+            keys.append((i + j) % n + 1)
+    return ids, keys
+
+
+# ---------------------------------------------------------------------------
+# a) takeover
+
+
+class Holder:
+    """A child process that claims LEASE with n clients x 10 subscriptions, then waits to be killed."""
+
+    def __init__(self, url: str, lease: str, n: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, url, lease, str(n), str(PER_CLIENT)], stdout=subprocess.PIPE, text=True
+        )
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line.strip():
+            self.close()
+            raise RuntimeError("the holder process did not claim and register")
+        pid, epoch = line.split()
+        self.backend_pid, self.epoch = int(pid), int(epoch)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+def _wait_until_blocked(monitor: psycopg.Connection, pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if monitor.execute(
+            "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = %s AND locktype = 'advisory' AND NOT granted)", (pid,)
+        ).fetchone()[0]:
+            return
+        time.sleep(0.002)
+    raise TimeoutError(f"pid {pid} never blocked on the lease")
+
+
+def _takeover(url: str, lease: str, n: int, waiter: psycopg.Connection, monitor: psycopg.Connection) -> float:
+    """Seconds from the SIGKILL of a holder with n x 10 subscriptions to the waiter's claim returning."""
+    holder = Holder(url, lease, n)
+    try:
+        done: dict[str, Any] = {}
+
+        def claim() -> None:
+            try:
+                done["epoch"] = waiter.execute("SELECT pgbroker.broker_claim(%s, wait => NULL)", (lease,)).fetchone()[0]
+                done["at"] = time.perf_counter()
+            except BaseException as exc:  # noqa: BLE001  (re-raised below)
+                done["error"] = exc
+
+        thread = threading.Thread(target=claim, daemon=True)
+        thread.start()
+        _wait_until_blocked(monitor, waiter.info.backend_pid)
+        killed = time.perf_counter()
+        holder.kill()
+        thread.join(60)
+        if "error" in done:
+            raise done["error"]
+        if "at" not in done:
+            raise TimeoutError("the waiter did not claim within 60 s of the kill")
+        assert done["epoch"] > holder.epoch
+        return done["at"] - killed
+    finally:
+        holder.close()
+        waiter.execute("SELECT pgbroker.broker_release(%s)", (lease,))
+
+
+# ---------------------------------------------------------------------------
+# b) re-registration
+
+
+def _one_call_each(conn: psycopg.Connection, n: int, count: int) -> float:
+    """Calls per second of register + 10 subscribes, one autocommit call each, for ``count`` clients."""
+    ids, keys = _pairs(n, 0, count)
+    start = time.perf_counter()
+    for cid in _ids(0, count):
+        conn.execute("SELECT pgbroker.client_register(%s, name => %s)", (cid, LEASE))
+    for cid, key in zip(ids, keys, strict=True):
+        conn.execute("SELECT pgbroker.subscribe(%s, 'initech.objects', %s, name => %s)", (cid, Jsonb(key), LEASE))
+    return (count + len(ids)) / (time.perf_counter() - start)
+
+
+def _batched_sql(conn: psycopg.Connection, n: int) -> float:
+    """Seconds to register n clients and subscribe n x 10, BATCH per call, arrays bound as parameters."""
+    start = time.perf_counter()
+    for lo in range(0, n, BATCH):
+        conn.execute(
+            "SELECT pgbroker.client_register_many(%s::text[], name => %s)", (_ids(lo, min(n, lo + BATCH)), LEASE)
+        )
+    per_call = BATCH // PER_CLIENT
+    for lo in range(0, n, per_call):
+        ids, keys = _pairs(n, lo, min(n, lo + per_call))
+        conn.execute(
+            "SELECT pgbroker.subscribe_many(%s::text[], 'initech.objects', %s::jsonb[], name => %s)",
+            (ids, [Jsonb(k) for k in keys], LEASE),
+        )
+    return time.perf_counter() - start
+
+
+def _batched_python(url: str, n: int) -> float:
+    """Seconds for Broker.register_many + subscribe_many of everyone (claim and release not counted)."""
+    with Broker(url, LEASE, wait=None, sweep=False) as broker:
+        start = time.perf_counter()
+        broker.register_many(f"client-{i}" for i in range(n))
+        broker.subscribe_many(
+            ((f"client-{i}", (i + j) % n + 1) for i in range(n) for j in range(PER_CLIENT)), "initech.objects"
+        )
+        return time.perf_counter() - start
+
+
+def _floor_insert(conn: psycopg.Connection, n: int) -> float:
+    """Seconds to INSERT ... SELECT FROM unnest() the same n x 10 rows, in the same batches, into a table with
+    the subscriptions' indexes (primary key (client_key, watch_id, row_key), an index on watch_id)."""
+    conn.execute(
+        "CREATE TABLE floor_subscription (client_key bigint NOT NULL, watch_id integer NOT NULL,"
+        " row_key jsonb NOT NULL, subscribed_at timestamptz NOT NULL DEFAULT clock_timestamp(),"
+        " PRIMARY KEY (client_key, watch_id, row_key))"
+    )
+    conn.execute("CREATE INDEX ON floor_subscription (watch_id)")
+    per_call = BATCH // PER_CLIENT
+    start = time.perf_counter()
+    for lo in range(0, n, per_call):
+        hi = min(n, lo + per_call)
+        client_keys = [i for i in range(lo, hi) for _ in range(PER_CLIENT)]
+        keys = [(i + j) % n + 1 for i in range(lo, hi) for j in range(PER_CLIENT)]
+        conn.execute(
+            "INSERT INTO floor_subscription (client_key, watch_id, row_key)"
+            " SELECT c, 1, k FROM unnest(%s::bigint[], %s::jsonb[]) AS u(c, k)",
+            (client_keys, [Jsonb(k) for k in keys]),
+        )
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------
+# c) end to end
+
+
+def _end_to_end(url: str, n: int, admin: psycopg.Connection, monitor: psycopg.Connection) -> float:
+    """Seconds from SIGKILL of the holder to the first change, after everyone re-subscribed, in the new broker's
+    hands."""
+    holder = Holder(url, LEASE, n)
+    broker = Broker(url, LEASE, wait=None, heartbeat_interval=0.5)
+    claimed: dict[str, Any] = {}
+
+    def claim() -> None:
+        try:
+            broker.claim()
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            claimed["error"] = exc
+
+    try:
+        thread = threading.Thread(target=claim, daemon=True)
+        thread.start()
+        pid = None
+        deadline = time.monotonic() + 30
+        while pid is None and time.monotonic() < deadline:
+            row = monitor.execute(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND classid = 1885823602::oid LIMIT 1"
+            ).fetchone()
+            pid = row[0] if row else None
+            time.sleep(0.002)
+        if pid is None:
+            raise TimeoutError("the new broker never waited for the lease")
+        killed = time.perf_counter()
+        holder.kill()
+        thread.join(60)
+        if "error" in claimed:
+            raise claimed["error"]
+        broker.register_many(f"client-{i}" for i in range(n))
+        broker.subscribe_many(
+            ((f"client-{i}", (i + j) % n + 1) for i in range(n) for j in range(PER_CLIENT)), "initech.objects"
+        )
+        admin.execute("UPDATE initech.objects SET name = 'changed' WHERE id = 1")
+        while True:
+            rows = broker.fetch()
+            if rows:
+                assert len(rows[0].clients) == PER_CLIENT, rows[0]
+                broker.ack([r.id for r in rows])
+                return time.perf_counter() - killed
+            time.sleep(0.001)
+    finally:
+        broker.close()
+        holder.close()
+
+
+# ---------------------------------------------------------------------------
+# d) steady state
+
+
+def _sweep_all(conn: psycopg.Connection) -> tuple[int, float]:
+    """(rows, seconds) of sweeping everything earlier epochs left."""
+    rows, start = 0, time.perf_counter()
+    while done := conn.execute("SELECT pgbroker.broker_sweep(max_rows => 10000)").fetchone()[0]:
+        rows += done
+    return rows, time.perf_counter() - start
+
+
+def _steady(url: str, n: int, admin: psycopg.Connection) -> tuple[float, float, float]:
+    """(µs per watched single-row UPDATE, µs of the broker's fetch per delivered row, bytes per subscription), with
+    n x 10 subscriptions of the current epoch and nothing left to sweep."""
+    with psycopg.connect(url, autocommit=True) as broker, psycopg.connect(url, autocommit=True) as writer:
+        broker.execute("SELECT pgbroker.broker_claim(%s, wait => NULL)", (LEASE,))
+        _batched_sql(broker, n)
+        _sweep_all(admin)
+        admin.execute("VACUUM ANALYZE pgbroker.client, pgbroker.subscription, pgbroker.interest, pgbroker.outbox")
+        size = admin.execute(
+            "SELECT sum(pg_total_relation_size(c)) FROM unnest(ARRAY['pgbroker.client', 'pgbroker.subscription',"
+            " 'pgbroker.interest']::regclass[]) c"
+        ).fetchone()[0]
+        writer.execute("SET synchronous_commit = off")
+        rng = random.Random(n)
+        update_us = []
+        fetch_us = []
+        broker.execute("SELECT pgbroker.broker_wake(%s)", (LEASE,))
+        for _ in range(3):
+            ids = [rng.randint(1, n) for _ in range(UPDATES)]
+            for i in ids[:100]:  # warm the statement's plan and the pages it reads
+                writer.execute("UPDATE initech.objects SET name = %s WHERE id = %s", ("w", i))
+            _drain(broker)
+            start = time.perf_counter()
+            for i in ids:
+                writer.execute("UPDATE initech.objects SET name = %s WHERE id = %s", (f"v{i}", i))
+            update_us.append((time.perf_counter() - start) / len(ids) * 1e6)
+            start = time.perf_counter()
+            rows = _drain(broker)
+            fetch_us.append((time.perf_counter() - start) / max(rows, 1) * 1e6)
+            assert rows >= len(set(ids)), (rows, len(set(ids)))
+        broker.execute("SELECT pgbroker.broker_release(%s)", (LEASE,))
+    return statistics.median(update_us), statistics.median(fetch_us), size / (n * PER_CLIENT)
+
+
+def _drain(broker: psycopg.Connection) -> int:
+    total, ack = 0, None
+    while True:
+        ids = [r[0] for r in broker.execute("SELECT id FROM pgbroker.outbox_fetch(%s, 1000, %s)", (LEASE, ack))]
+        total += len(ids)
+        if not ids:
+            return total
+        ack = ids
+
+
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    url: str
+    admin: psycopg.Connection
+    waiter: psycopg.Connection
+    monitor: psycopg.Connection
+    empty_ms: float
+    quick: bool
+    smallest: int
+    baseline: dict[str, float] = field(default_factory=dict)
+
+
+def _verdict(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def _measure(ctx: Context, n: int, results: Results) -> None:
+    """Every measurement at n clients x 10 subscriptions."""
+    label, admin, waiter = _size(n), ctx.admin, ctx.waiter
+    print(f"== {label}", flush=True)
+    admin.execute("TRUNCATE initech.objects")
+    admin.execute("INSERT INTO initech.objects (id, name) SELECT i, 'row ' || i FROM generate_series(1, %s) i", (n,))
+    admin.execute("VACUUM ANALYZE initech.objects")
+
+    # a) takeovers; what each holder registered is left behind (swept only after them all)
+    rounds = 1 if ctx.quick else TAKEOVERS
+    claim_ms = statistics.median(_takeover(ctx.url, LEASE, n, waiter, ctx.monitor) * 1000 for _ in range(rounds))
+    left = admin.execute("SELECT sum(subscriptions) FROM pgbroker.sweep_backlog").fetchone()[0]
+    ratio = claim_ms / ctx.empty_ms
+    target = f"<= {TARGET_CLAIM_RATIO:g}x {_verdict(ratio <= TARGET_CLAIM_RATIO)}" if n == 30_000 else ""
+    results.add(f"{label}: takeover claim after SIGKILL (median of {rounds})", f"{claim_ms:.1f} ms",
+                f"{ctx.empty_ms:.1f} ms", f"{ratio:.2f}x", target)  # fmt: skip
+    results.point("takeover claim (ms)", n, claim_ms)
+    results.point("empty-state claim (ms)", n, ctx.empty_ms)
+    swept, sweep_s = _sweep_all(admin)
+    results.notes.append(f"{label}: the takeovers left {left:,} subscriptions behind; the sweep deleted {swept:,} rows"
+                         f" in {sweep_s:.1f} s ({swept / max(sweep_s, 1e-9):,.0f} rows/s)")  # fmt: skip
+
+    # b) re-registration into a new epoch, each way, and the floor
+    waiter.execute("SELECT pgbroker.broker_claim(%s, wait => NULL)", (LEASE,))
+    sample = min(n, 100 if ctx.quick else ONE_CALL_SAMPLE)
+    calls_per_s = _one_call_each(waiter, n, sample)
+    waiter.execute("SELECT pgbroker.broker_release(%s)", (LEASE,))
+    waiter.execute("SELECT pgbroker.broker_claim(%s, wait => NULL)", (LEASE,))
+    sql_s = _batched_sql(waiter, n)
+    waiter.execute("SELECT pgbroker.broker_release(%s)", (LEASE,))
+    py_s = _batched_python(ctx.url, n)
+    floor_s = _floor_insert(admin, n)
+    admin.execute("DROP TABLE floor_subscription")
+    subs = n * PER_CLIENT
+    one_call_s = (n + subs) / calls_per_s
+    results.add(f"{label}: register + subscribe, one call each ({sample} clients; total estimated)",
+                f"{calls_per_s:,.0f} calls/s ({one_call_s:.0f} s)", "", "", "(info)")  # fmt: skip
+    results.point("one call each (calls/s)", n, calls_per_s)
+    for how, seconds in (("SQL arrays", sql_s), ("Broker.*_many", py_s)):
+        rate, ratio = subs / seconds, seconds / floor_s
+        target = f">= {TARGET_RATE:,}/s, <= {TARGET_FLOOR_RATIO:g}x"
+        results.add(f"{label}: register + subscribe, batched ({how})", f"{rate:,.0f} subs/s ({seconds:.2f} s)",
+                    f"{subs / floor_s:,.0f} rows/s ({floor_s:.2f} s)", f"{ratio:.2f}x",
+                    f"{target} {_verdict(rate >= TARGET_RATE and ratio <= TARGET_FLOOR_RATIO)}")  # fmt: skip
+        results.point(f"batched, {how} (subs/s)", n, rate)
+    results.point("floor INSERT ... SELECT (rows/s)", n, subs / floor_s)
+    _sweep_all(admin)
+
+    # c) end to end
+    e2e = _end_to_end(ctx.url, n, admin, ctx.monitor)
+    target = f"< {TARGET_E2E_S:g} s {_verdict(e2e < TARGET_E2E_S)}" if n == 30_000 else ""
+    results.add(f"{label}: SIGKILL -> claim -> all re-subscribed -> change delivered", f"{e2e:.2f} s",
+                f"{one_call_s:.0f} s one call each", f"{e2e / one_call_s:.2f}x", target)  # fmt: skip
+    results.point("end to end (s)", n, e2e)
+    _sweep_all(admin)
+
+    # d) steady state
+    update_us, fetch_us, per_sub = _steady(ctx.url, n, admin)
+    for key, what, value in (("update", "watched single-row UPDATE", update_us),
+                             ("fetch", "fetch per delivered row", fetch_us)):  # fmt: skip
+        base = ctx.baseline.setdefault(key, value)
+        ratio = value / base
+        target = f"<= {TARGET_STEADY_RATIO:g}x {_verdict(ratio <= TARGET_STEADY_RATIO)}" if n == 100_000 else ""
+        results.add(f"{label}: {what}", f"{value:.1f} us", f"{base:.1f} us at {_size(ctx.smallest)}",
+                    f"{ratio:.2f}x", target)  # fmt: skip
+        results.point(f"{what} (us)", n, value)
+    results.add(f"{label}: bytes on disk per subscription", f"{per_sub:,.0f} B", "", "", "(info)")
+    results.point("bytes per subscription", n, per_sub)
+
+
+def run(sizes: tuple[int, ...] = (1_000, 10_000, 30_000, 100_000), *, quick: bool = False) -> Results:
+    results = Results()
+    started = time.monotonic()
+    with EmbeddedPostgres(postgres_options=DURABLE) as server:
+        with psycopg.connect(server.url, autocommit=True) as admin:
+            admin.execute("CREATE DATABASE bench")
+        url = server.url_for("bench")
+        install.migrate(url)
+        with (
+            psycopg.connect(url, autocommit=True) as admin,
+            psycopg.connect(url, autocommit=True) as waiter,
+            psycopg.connect(url, autocommit=True) as monitor,
+        ):
+            version = admin.execute("SHOW server_version").fetchone()[0]
+            assert admin.execute("SHOW fsync").fetchone()[0] == "on"
+            print(f"server: PostgreSQL {version}, fsync and synchronous_commit on")
+            empty = [_takeover(url, "empty", 0, waiter, monitor) for _ in range(3 if quick else EMPTY_CLAIMS)]
+            empty_ms = statistics.median(empty) * 1000
+            results.figures["empty_claim_ms"] = empty_ms
+            ctx = Context(url, admin, waiter, monitor, empty_ms, quick, sizes[0])
+            for n in sizes:
+                _measure(ctx, n, results)
+    results.figures["seconds"] = time.monotonic() - started
+    return results
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(s.replace("_", "").replace("k", "000")) for s in text.split(","))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=_parse_sizes, default=(1_000, 10_000, 30_000, 100_000))
+    parser.add_argument("--quick", action="store_true", help="one takeover per size, smaller samples")
+    args = parser.parse_args(argv)
+    results = run(args.sizes, quick=args.quick)
+    print()
+    print(results.table())
+    for note in results.notes:
+        print(f"- {note}")
+    print(f"\n(whole run {results.figures['seconds']:.0f} s)")
+    return 0
+
+
+def test_bench_scale() -> None:
+    """pytest entry point (tests/benchmarks is ignored by the default run): a quick run at two sizes."""
+    results = run((1_000, 5_000), quick=True)
+    print()
+    print(results.table())
+    assert results.figures["empty_claim_ms"] > 0 and len(results.rows) >= 8
+
+
+if __name__ == "__main__":
+    sys.exit(main())
