@@ -63,9 +63,14 @@ STATE_SET_SQL = "SELECT pgbroker.broker_state_set(name => %(name)s, key => %(key
 STATE_DELETE_SQL = "SELECT pgbroker.broker_state_delete(name => %(name)s, key => %(key)s)"
 STATUS_SQL = "SELECT * FROM pgbroker.brokers WHERE name = %(name)s"
 REGISTER_SQL = "SELECT pgbroker.client_register(client_id => %(client_id)s, info => %(info)s, name => %(name)s)"
+# The set-based calls take their arrays in the cheapest forms to send: the
+# ids as a binary text[], the infos and keys as one JSON document each, made
+# into a jsonb[] by the server (a list of Jsonb costs a json.dumps per item:
+# 8x the time for 10,000 keys).
 REGISTER_MANY_SQL = (
-    "SELECT pgbroker.client_register_many(client_ids => %(client_ids)s::text[], infos => %(infos)s::jsonb[],"
-    " name => %(name)s)"
+    "SELECT pgbroker.client_register_many(client_ids => %(client_ids)b::text[],"
+    " infos => ARRAY(SELECT e FROM pg_catalog.jsonb_array_elements(%(infos)s::jsonb) WITH ORDINALITY AS t(e, i)"
+    " ORDER BY i), name => %(name)s)"
 )
 CLIENT_UPDATE_SQL = "SELECT pgbroker.client_update(client_id => %(client_id)s, info => %(info)s, name => %(name)s)"
 UNREGISTER_SQL = "SELECT pgbroker.client_unregister(client_id => %(client_id)s, name => %(name)s)"
@@ -74,8 +79,9 @@ SUBSCRIBE_SQL = (
     " name => %(name)s, wait => %(wait)s)"
 )
 SUBSCRIBE_MANY_SQL = (
-    'SELECT pgbroker.subscribe_many(client_ids => %(client_ids)s::text[], "table" => %(table)s::regclass,'
-    " keys => %(keys)s::jsonb[], name => %(name)s, wait => %(wait)s)"
+    'SELECT pgbroker.subscribe_many(client_ids => %(client_ids)b::text[], "table" => %(table)s::regclass,'
+    " keys => ARRAY(SELECT e FROM pg_catalog.jsonb_array_elements(%(keys)s::jsonb) WITH ORDINALITY AS t(e, i)"
+    " ORDER BY i), name => %(name)s, wait => %(wait)s)"
 )
 SWEEP_SQL = "SELECT pgbroker.broker_sweep(name => %(name)s, max_rows => %(max_rows)s)"
 UNSUBSCRIBE_SQL = (
@@ -118,24 +124,24 @@ def batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 
 
 def register_params(name: str, batch: list[Any]) -> dict[str, Any]:
-    """Parameters of REGISTER_MANY_SQL for a batch of client ids or ``(client_id, info)`` pairs."""
+    """Parameters of REGISTER_MANY_SQL for a batch of client ids or ``(client_id, info)`` pairs (info None: ``{}``)."""
     ids: list[Any] = []
-    infos: list[Jsonb | None] = []
+    infos: list[Any] = []
     for item in batch:
         client_id, info = (item, None) if isinstance(item, str) or not isinstance(item, tuple | list) else item
         ids.append(client_id)
-        infos.append(None if info is None else Jsonb(info))
-    return {"client_ids": ids, "infos": infos, "name": name}
+        infos.append({} if info is None else info)
+    return {"client_ids": ids, "infos": Jsonb(infos), "name": name}
 
 
 def subscribe_params(name: str, table: str, batch: list[tuple[str, Any]], wait: timedelta | None) -> dict[str, Any]:
     """Parameters of SUBSCRIBE_MANY_SQL for a batch of ``(client_id, key)`` pairs (key None: the whole table)."""
     ids: list[Any] = []
-    keys: list[Jsonb | None] = []
+    keys: list[Any] = []
     for client_id, key in batch:
         ids.append(client_id)
-        keys.append(_key_param(key))
-    return {"client_ids": ids, "table": table, "keys": keys, "name": name, "wait": wait}
+        keys.append(key)
+    return {"client_ids": ids, "table": table, "keys": Jsonb(keys), "name": name, "wait": wait}
 
 
 BACKEND_PID_SQL = "SELECT pg_catalog.pg_backend_pid()"

@@ -60,8 +60,11 @@ AS $$
 DECLARE
     v_key bigint;
 BEGIN
+    -- FOR KEY SHARE: an unregister of this client waits for the caller's
+    -- transaction (or went first, and the client is unknown).
     SELECT client_key INTO v_key FROM pgbroker.client
-     WHERE name = p_name AND epoch = p_epoch AND client_id = p_client_id;
+     WHERE name = p_name AND epoch = p_epoch AND client_id = p_client_id
+       FOR KEY SHARE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'client "%" is not registered with broker "%"', p_client_id, p_name
             USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register().';
@@ -70,7 +73,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._client_key(text, bigint, text) IS
-    'Internal: the client_key of a client registered in epoch p_epoch, PB010 when unknown.';
+    'Internal: the client_key of a client registered in epoch p_epoch, its row locked FOR KEY SHARE; PB010 when unknown.';
 
 -- Client ids as the one-row calls check them, NULL first (22004), then the
 -- length (22023); p_what names the argument (client_id, client_ids[3]).
@@ -154,6 +157,8 @@ RETURNS bigint
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- Planned for each call's arrays: a generic plan, made for no size in particular, joined them in loops.
+SET plan_cache_mode = force_custom_plan
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(client_register_many.name);

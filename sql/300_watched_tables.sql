@@ -82,36 +82,37 @@ $$;
 COMMENT ON FUNCTION pgbroker._key_settings(regtype[]) IS
     'Internal: the SET clauses the trigger functions of a table with these key types need so that keys encode as _encode_key() does; empty when no key type depends on session settings.';
 
--- The SQL expression that encodes a key from its parts, P (an SQL
--- expression of a jsonb array of the key's values in key order): each value
--- cast to its column's type (so '"42"' and '42' are the same key of an
--- integer column), then encoded as the triggers encode a row's key.
-CREATE FUNCTION pgbroker._key_expression(p_watch pgbroker.watched, p_parts text)
+-- The SQL expression that encodes a key K (an SQL expression of a key of
+-- the right shape: a scalar, or an array in key order): each value cast to
+-- its column's type (so '"42"' and '42' are the same key of an integer
+-- column), then encoded as the triggers encode a row's key.
+CREATE FUNCTION pgbroker._key_expression(p_watch pgbroker.watched, p_key text)
 RETURNS text
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb((%s->>0)::%s)', p_parts, min(t))
-                ELSE format('jsonb_build_array(%s)', string_agg(format('(%s->>%s)::%s', p_parts, i - 1, t), ', ' ORDER BY i))
+    SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb((%s #>> ''{}'')::%s)', p_key, min(t))
+                ELSE format('jsonb_build_array(%s)', string_agg(format('(%s->>%s)::%s', p_key, i - 1, t), ', ' ORDER BY i))
            END
       FROM unnest(p_watch.key_types::text[]) WITH ORDINALITY AS u(t, i)
 $$;
 COMMENT ON FUNCTION pgbroker._key_expression(pgbroker.watched, text) IS
-    'Internal: the SQL expression that casts the parts of a key (a jsonb array expression) to the key''s types and encodes it.';
+    'Internal: the SQL expression that casts a key (an expression of the right shape) to the key''s types and encodes it.';
 
 -- Whether a key given by a caller has the shape of the table's key: a
 -- scalar for a one-column key, an array of scalars in key order for a
 -- composite one (NULL and JSON null, the whole table, are not keys here).
+-- One expression, no SET clause, every name qualified: inlined into the
+-- callers' queries (a sub-SELECT would stop that).
 CREATE FUNCTION pgbroker._key_shape_ok(p_columns integer, p_key jsonb)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT CASE WHEN p_columns = 1 THEN jsonb_typeof(p_key) NOT IN ('object', 'array')
-                WHEN jsonb_typeof(p_key) <> 'array' THEN false
-                ELSE jsonb_array_length(p_key) = p_columns
-                     AND NOT EXISTS (SELECT FROM jsonb_array_elements(p_key) e
-                                      WHERE jsonb_typeof(e) IN ('null', 'object', 'array')) END
+    SELECT CASE WHEN p_columns = 1 THEN pg_catalog.jsonb_typeof(p_key) NOT IN ('object', 'array')
+                WHEN pg_catalog.jsonb_typeof(p_key) <> 'array' THEN false
+                ELSE pg_catalog.jsonb_array_length(p_key) = p_columns
+                     AND NOT pg_catalog.jsonb_path_exists(p_key, 'strict $[*] ? (@ == null || @.type() == "object" || @.type() == "array")')
+           END
 $$;
 COMMENT ON FUNCTION pgbroker._key_shape_ok(integer, jsonb) IS
     'Internal: whether p_key has the shape of a key of p_columns columns (a scalar, or an array of that many scalars).';
@@ -140,8 +141,7 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Give a JSON scalar for a one-column key, a JSON array of scalars in key order for a composite one.';
     END IF;
-    EXECUTE format('SELECT %s', pgbroker._key_expression(p_watch, '$1'))
-       INTO v_out USING CASE WHEN v_n = 1 THEN jsonb_build_array(p_key) ELSE p_key END;
+    EXECUTE format('SELECT %s', pgbroker._key_expression(p_watch, '$1')) INTO v_out USING p_key;
     RETURN v_out;
 END
 $$;
@@ -192,10 +192,8 @@ BEGIN
         BEGIN
             EXECUTE format($q$SELECT array_agg(CASE WHEN u.k IS NULL OR jsonb_typeof(u.k) = 'null' THEN 'null'::jsonb
                                                    ELSE %s END ORDER BY u.i)
-                                FROM unnest($1) WITH ORDINALITY AS u(k, i)
-                               CROSS JOIN LATERAL (SELECT %s AS parts) p$q$,
-                           pgbroker._key_expression(p_watch, 'p.parts'),
-                           CASE WHEN v_n = 1 THEN 'jsonb_build_array(u.k)' ELSE 'u.k' END)
+                                FROM unnest($1) WITH ORDINALITY AS u(k, i)$q$,
+                           pgbroker._key_expression(p_watch, 'u.k'))
                INTO v_out USING p_keys;
             RETURN coalesce(v_out, '{}');
         EXCEPTION WHEN data_exception THEN

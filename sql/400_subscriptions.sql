@@ -21,14 +21,22 @@
 -- subscribe_many() makes many subscriptions in one statement, for a broker
 -- whose clients come back after a restart.
 
+-- No foreign keys: their checks run once per inserted row, and a broker
+-- that restarts inserts its subscriptions by the hundred thousand.  The
+-- functions keep what they would: subscribe locks its clients' rows (FOR KEY
+-- SHARE, so an unregister waits for it or goes first), a deleted client's
+-- subscriptions go with it (trigger _400_drop_interest, below), unwatch()
+-- deletes its table's.
 CREATE TABLE pgbroker.subscription (
-    client_key bigint NOT NULL REFERENCES pgbroker.client (client_key) ON DELETE CASCADE,
-    watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
+    client_key bigint NOT NULL,
+    watch_id integer NOT NULL,
     row_key jsonb NOT NULL,
     subscribed_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     PRIMARY KEY (client_key, watch_id, row_key)
 );
-CREATE INDEX subscription_watch ON pgbroker.subscription (watch_id);
+-- The primary key is the only index: every one more is paid by each of the
+-- hundreds of thousands of rows a restarting broker inserts (unwatch() and
+-- the watched_tables view read a table's subscriptions by a scan).
 COMMENT ON TABLE pgbroker.subscription IS 'Which client is subscribed to which row (or, with key JSON null, to the whole table). Internal: use subscribe().';
 COMMENT ON COLUMN pgbroker.subscription.client_key IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscription.watch_id IS 'The watched table.';
@@ -38,7 +46,7 @@ COMMENT ON COLUMN pgbroker.subscription.subscribed_at IS 'When.';
 -- The subscriptions aggregated per (table, key, broker): what the triggers
 -- read.  One index probe per changed row, whatever the number of clients.
 CREATE TABLE pgbroker.interest (
-    watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
+    watch_id integer NOT NULL,   -- no foreign key either (see subscription); unwatch() deletes its table's
     row_key jsonb NOT NULL,
     name text NOT NULL,
     -- In the key: a new epoch's subscribers get rows of their own beside the
@@ -59,7 +67,7 @@ COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole ta
 COMMENT ON COLUMN pgbroker.interest.name IS 'The broker (lease name) of these clients.';
 COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch: rows of an earlier epoch than the lease''s are invisible and swept by broker_sweep().';
 COMMENT ON COLUMN pgbroker.interest.lock_key IS 'Its lease''s lock_key (liveness test and wake-up channel of the triggers).';
-COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed clients, in subscription order.';
+COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed clients, each once.';
 
 -- ---------------------------------------------------------------------------
 -- Subscriptions.
@@ -179,6 +187,10 @@ RETURNS bigint
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- Planned for each call's arrays: a generic plan, made for no size in particular, joined them in loops.
+SET plan_cache_mode = force_custom_plan
+-- Hash joins of the arrays: a merge join sorted both (the estimates made it look cheaper).
+SET enable_mergejoin = off
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(subscribe_many.name);
@@ -188,16 +200,29 @@ DECLARE
                                           cardinality(subscribe_many.keys), false);
     v_watch pgbroker.watched := pgbroker._watch_of(subscribe_many."table");
     v_keys jsonb[] := pgbroker._encode_keys(v_watch, subscribe_many.keys);
+    v_ids text[];
+    v_client_keys bigint[];
+    v_fresh boolean[];
     v_bad integer;
     v_new bigint;
 BEGIN
-    -- Every client known in this epoch, or the error subscribe() gives for
-    -- the first that is not, naming its position.  (Arrays are read with
-    -- unnest, never subscripted: subscripting an array of variable-length
-    -- values costs time in proportion to the position.)
-    SELECT min(u.i) INTO v_bad
-      FROM unnest(subscribe_many.client_ids) WITH ORDINALITY AS u(id, i)
-     WHERE NOT EXISTS (SELECT FROM pgbroker.client c WHERE c.name = v_name AND c.epoch = v_epoch AND c.client_id = u.id);
+    -- Each client given, looked up and its row locked (as subscribe() locks
+    -- it) once, by an index probe: a batch costs the same whatever the
+    -- number of the epoch's clients.  Or the error subscribe() gives for the
+    -- first unknown one, naming its position.  A client with no subscription
+    -- to the table yet (every client, after a restart) is "fresh": none of
+    -- its pairs needs looking for below.
+    WITH ids AS (
+        SELECT u.id, min(u.i) AS i FROM unnest(subscribe_many.client_ids) WITH ORDINALITY AS u(id, i) GROUP BY u.id
+    )
+    SELECT min(ids.i) FILTER (WHERE c.client_key IS NULL), array_agg(ids.id), array_agg(c.client_key),
+           array_agg(NOT EXISTS (SELECT FROM pgbroker.subscription s
+                                  WHERE s.client_key = c.client_key AND s.watch_id = v_watch.watch_id))
+      INTO v_bad, v_ids, v_client_keys, v_fresh
+      FROM ids
+      LEFT JOIN LATERAL (SELECT x.client_key FROM pgbroker.client x
+                          WHERE x.name = v_name AND x.epoch = v_epoch AND x.client_id = ids.id
+                            FOR KEY SHARE) c ON true;
     IF v_bad IS NOT NULL THEN
         RAISE EXCEPTION 'client "%" (client_ids[%]) is not registered with broker "%"',
                 subscribe_many.client_ids[v_bad], v_bad, v_name
@@ -205,28 +230,36 @@ BEGIN
     END IF;
     PERFORM pgbroker._subscribe_lock(v_watch, subscribe_many."table", subscribe_many.wait);
     -- One statement, one round of the watch lock, whatever the number: the
-    -- new subscriptions (a pair given twice counts once), then their ids
-    -- appended to the interest of their key, in the order given.
-    WITH given AS (
-        SELECT c.client_key, u.id, u.row_key, min(u.i) AS i
-          FROM unnest(subscribe_many.client_ids, v_keys) WITH ORDINALITY AS u(id, row_key, i)
-          JOIN pgbroker.client c ON c.name = v_name AND c.epoch = v_epoch AND c.client_id = u.id
-         GROUP BY c.client_key, u.id, u.row_key
+    -- pairs not subscribed yet (a pair given twice counts once), inserted,
+    -- and their ids appended to the interest of their key.  No ON CONFLICT: subscriptions to a table are only made under
+    -- its watch lock, which this transaction holds exclusively, so no other
+    -- can insert one of these pairs meanwhile.  (Arrays are read with unnest,
+    -- never subscripted: subscripting an array of variable-length values
+    -- costs time in proportion to the position.)
+    WITH clients AS (
+        SELECT k.id, k.client_key, k.fresh FROM unnest(v_ids, v_client_keys, v_fresh) AS k(id, client_key, fresh)
+    ), new AS MATERIALIZED (
+        SELECT c.client_key, g.id, g.row_key
+          FROM (SELECT DISTINCT u.id, u.row_key FROM unnest(subscribe_many.client_ids, v_keys) AS u(id, row_key)) g
+          JOIN clients c ON c.id = g.id
+          -- an index probe per pair of a client that is not fresh, never a scan of what the table has
+          LEFT JOIN LATERAL (SELECT true AS found FROM pgbroker.subscription s
+                              WHERE NOT c.fresh
+                                AND s.client_key = c.client_key AND s.watch_id = v_watch.watch_id AND s.row_key = g.row_key
+                              LIMIT 1) e ON true
+         WHERE e.found IS NULL
     ), added AS (
         INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
-        SELECT g.client_key, v_watch.watch_id, g.row_key FROM given g
-        ON CONFLICT DO NOTHING
-        RETURNING client_key, row_key
+        SELECT n.client_key, v_watch.watch_id, n.row_key FROM new n
     ), interest AS (
         INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
-        SELECT v_watch.watch_id, a.row_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
-               array_agg(g.id ORDER BY g.i)
-          FROM added a
-          JOIN given g ON g.client_key = a.client_key AND g.row_key = a.row_key
-         GROUP BY a.row_key
+        SELECT v_watch.watch_id, n.row_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
+               array_agg(n.id)
+          FROM new n
+         GROUP BY n.row_key
         ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || excluded.clients
     )
-    SELECT count(*) INTO v_new FROM added;
+    SELECT count(*) INTO v_new FROM new;
     RETURN v_new;
 END
 $$;
@@ -262,9 +295,10 @@ COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
 -- ---------------------------------------------------------------------------
 -- Keeping the interest in step with the client registry.
 
--- An unregistered client leaves the interest of its broker's current epoch.
--- (The clients of earlier epochs are deleted by broker_sweep(), after the
--- interest they made.)
+-- A deleted client's subscriptions go with it; one of the current epoch
+-- (unregistered) also leaves the interest it made.  (The clients of earlier
+-- epochs are deleted by broker_sweep() after their subscriptions, and their
+-- interest is deleted whole.)
 CREATE FUNCTION pgbroker._interest_drop_client()
 RETURNS trigger
 LANGUAGE plpgsql
@@ -273,14 +307,16 @@ AS $$
 BEGIN
     IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
         PERFORM pgbroker._interest_remove(OLD.client_key, NULL, NULL);
+    ELSE
+        DELETE FROM pgbroker.subscription s WHERE s.client_key = OLD.client_key;
     END IF;
     RETURN OLD;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._interest_drop_client() IS
-    'Internal (trigger): remove a client of the current epoch from pgbroker.interest before it is deleted.';
+    'Internal (trigger): delete a client''s subscriptions before the client; one of the current epoch also leaves pgbroker.interest.';
 
 CREATE TRIGGER _400_drop_interest
 BEFORE DELETE ON pgbroker.client
 FOR EACH ROW EXECUTE FUNCTION pgbroker._interest_drop_client();
-COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'An unregistered client leaves the interest its subscriptions made.';
+COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'A deleted client''s subscriptions go with it, and an unregistered one leaves the interest they made.';

@@ -304,8 +304,8 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.outbox_fetch(text, integer, bigint[]) IS
 $$Holder only: up to MAX_ROWS pending notifications of lease NAME, oldest first (for any one row: in commit order).
-Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell, in
-subscription order; never empty), at.
+Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell, each
+once, never empty), at.
 Rows stay until acknowledged, by outbox_ack() or by passing their ids as ACK to the next outbox_fetch() (one round
 trip less): at-least-once delivery within the epoch.$$;
 

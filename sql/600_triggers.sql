@@ -558,7 +558,9 @@ BEGIN
     EXECUTE format('DROP FUNCTION pgbroker._watch_%1$s_ins(), pgbroker._watch_%1$s_upd(), '
                    'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc()', v_watch.watch_id);
     DELETE FROM pgbroker.outbox WHERE watch_id = v_watch.watch_id;
-    DELETE FROM pgbroker.watched WHERE watch_id = v_watch.watch_id;   -- cascades to subscriptions and interest
+    DELETE FROM pgbroker.subscription WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.interest WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.watched WHERE watch_id = v_watch.watch_id;
     RETURN true;
 END
 $$;

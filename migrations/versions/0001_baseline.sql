@@ -1236,8 +1236,11 @@ AS $$
 DECLARE
     v_key bigint;
 BEGIN
+    -- FOR KEY SHARE: an unregister of this client waits for the caller's
+    -- transaction (or went first, and the client is unknown).
     SELECT client_key INTO v_key FROM pgbroker.client
-     WHERE name = p_name AND epoch = p_epoch AND client_id = p_client_id;
+     WHERE name = p_name AND epoch = p_epoch AND client_id = p_client_id
+       FOR KEY SHARE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'client "%" is not registered with broker "%"', p_client_id, p_name
             USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register().';
@@ -1246,7 +1249,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._client_key(text, bigint, text) IS
-    'Internal: the client_key of a client registered in epoch p_epoch, PB010 when unknown.';
+    'Internal: the client_key of a client registered in epoch p_epoch, its row locked FOR KEY SHARE; PB010 when unknown.';
 
 -- Client ids as the one-row calls check them, NULL first (22004), then the
 -- length (22023); p_what names the argument (client_id, client_ids[3]).
@@ -1330,6 +1333,8 @@ RETURNS bigint
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- Planned for each call's arrays: a generic plan, made for no size in particular, joined them in loops.
+SET plan_cache_mode = force_custom_plan
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(client_register_many.name);
@@ -1499,36 +1504,37 @@ $$;
 COMMENT ON FUNCTION pgbroker._key_settings(regtype[]) IS
     'Internal: the SET clauses the trigger functions of a table with these key types need so that keys encode as _encode_key() does; empty when no key type depends on session settings.';
 
--- The SQL expression that encodes a key from its parts, P (an SQL
--- expression of a jsonb array of the key's values in key order): each value
--- cast to its column's type (so '"42"' and '42' are the same key of an
--- integer column), then encoded as the triggers encode a row's key.
-CREATE FUNCTION pgbroker._key_expression(p_watch pgbroker.watched, p_parts text)
+-- The SQL expression that encodes a key K (an SQL expression of a key of
+-- the right shape: a scalar, or an array in key order): each value cast to
+-- its column's type (so '"42"' and '42' are the same key of an integer
+-- column), then encoded as the triggers encode a row's key.
+CREATE FUNCTION pgbroker._key_expression(p_watch pgbroker.watched, p_key text)
 RETURNS text
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb((%s->>0)::%s)', p_parts, min(t))
-                ELSE format('jsonb_build_array(%s)', string_agg(format('(%s->>%s)::%s', p_parts, i - 1, t), ', ' ORDER BY i))
+    SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb((%s #>> ''{}'')::%s)', p_key, min(t))
+                ELSE format('jsonb_build_array(%s)', string_agg(format('(%s->>%s)::%s', p_key, i - 1, t), ', ' ORDER BY i))
            END
       FROM unnest(p_watch.key_types::text[]) WITH ORDINALITY AS u(t, i)
 $$;
 COMMENT ON FUNCTION pgbroker._key_expression(pgbroker.watched, text) IS
-    'Internal: the SQL expression that casts the parts of a key (a jsonb array expression) to the key''s types and encodes it.';
+    'Internal: the SQL expression that casts a key (an expression of the right shape) to the key''s types and encodes it.';
 
 -- Whether a key given by a caller has the shape of the table's key: a
 -- scalar for a one-column key, an array of scalars in key order for a
 -- composite one (NULL and JSON null, the whole table, are not keys here).
+-- One expression, no SET clause, every name qualified: inlined into the
+-- callers' queries (a sub-SELECT would stop that).
 CREATE FUNCTION pgbroker._key_shape_ok(p_columns integer, p_key jsonb)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT CASE WHEN p_columns = 1 THEN jsonb_typeof(p_key) NOT IN ('object', 'array')
-                WHEN jsonb_typeof(p_key) <> 'array' THEN false
-                ELSE jsonb_array_length(p_key) = p_columns
-                     AND NOT EXISTS (SELECT FROM jsonb_array_elements(p_key) e
-                                      WHERE jsonb_typeof(e) IN ('null', 'object', 'array')) END
+    SELECT CASE WHEN p_columns = 1 THEN pg_catalog.jsonb_typeof(p_key) NOT IN ('object', 'array')
+                WHEN pg_catalog.jsonb_typeof(p_key) <> 'array' THEN false
+                ELSE pg_catalog.jsonb_array_length(p_key) = p_columns
+                     AND NOT pg_catalog.jsonb_path_exists(p_key, 'strict $[*] ? (@ == null || @.type() == "object" || @.type() == "array")')
+           END
 $$;
 COMMENT ON FUNCTION pgbroker._key_shape_ok(integer, jsonb) IS
     'Internal: whether p_key has the shape of a key of p_columns columns (a scalar, or an array of that many scalars).';
@@ -1557,8 +1563,7 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Give a JSON scalar for a one-column key, a JSON array of scalars in key order for a composite one.';
     END IF;
-    EXECUTE format('SELECT %s', pgbroker._key_expression(p_watch, '$1'))
-       INTO v_out USING CASE WHEN v_n = 1 THEN jsonb_build_array(p_key) ELSE p_key END;
+    EXECUTE format('SELECT %s', pgbroker._key_expression(p_watch, '$1')) INTO v_out USING p_key;
     RETURN v_out;
 END
 $$;
@@ -1609,10 +1614,8 @@ BEGIN
         BEGIN
             EXECUTE format($q$SELECT array_agg(CASE WHEN u.k IS NULL OR jsonb_typeof(u.k) = 'null' THEN 'null'::jsonb
                                                    ELSE %s END ORDER BY u.i)
-                                FROM unnest($1) WITH ORDINALITY AS u(k, i)
-                               CROSS JOIN LATERAL (SELECT %s AS parts) p$q$,
-                           pgbroker._key_expression(p_watch, 'p.parts'),
-                           CASE WHEN v_n = 1 THEN 'jsonb_build_array(u.k)' ELSE 'u.k' END)
+                                FROM unnest($1) WITH ORDINALITY AS u(k, i)$q$,
+                           pgbroker._key_expression(p_watch, 'u.k'))
                INTO v_out USING p_keys;
             RETURN coalesce(v_out, '{}');
         EXCEPTION WHEN data_exception THEN
@@ -1653,14 +1656,22 @@ COMMENT ON FUNCTION pgbroker._encode_keys(pgbroker.watched, jsonb[]) IS
 -- subscribe_many() makes many subscriptions in one statement, for a broker
 -- whose clients come back after a restart.
 
+-- No foreign keys: their checks run once per inserted row, and a broker
+-- that restarts inserts its subscriptions by the hundred thousand.  The
+-- functions keep what they would: subscribe locks its clients' rows (FOR KEY
+-- SHARE, so an unregister waits for it or goes first), a deleted client's
+-- subscriptions go with it (trigger _400_drop_interest, below), unwatch()
+-- deletes its table's.
 CREATE TABLE pgbroker.subscription (
-    client_key bigint NOT NULL REFERENCES pgbroker.client (client_key) ON DELETE CASCADE,
-    watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
+    client_key bigint NOT NULL,
+    watch_id integer NOT NULL,
     row_key jsonb NOT NULL,
     subscribed_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     PRIMARY KEY (client_key, watch_id, row_key)
 );
-CREATE INDEX subscription_watch ON pgbroker.subscription (watch_id);
+-- The primary key is the only index: every one more is paid by each of the
+-- hundreds of thousands of rows a restarting broker inserts (unwatch() and
+-- the watched_tables view read a table's subscriptions by a scan).
 COMMENT ON TABLE pgbroker.subscription IS 'Which client is subscribed to which row (or, with key JSON null, to the whole table). Internal: use subscribe().';
 COMMENT ON COLUMN pgbroker.subscription.client_key IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscription.watch_id IS 'The watched table.';
@@ -1670,7 +1681,7 @@ COMMENT ON COLUMN pgbroker.subscription.subscribed_at IS 'When.';
 -- The subscriptions aggregated per (table, key, broker): what the triggers
 -- read.  One index probe per changed row, whatever the number of clients.
 CREATE TABLE pgbroker.interest (
-    watch_id integer NOT NULL REFERENCES pgbroker.watched (watch_id) ON DELETE CASCADE,
+    watch_id integer NOT NULL,   -- no foreign key either (see subscription); unwatch() deletes its table's
     row_key jsonb NOT NULL,
     name text NOT NULL,
     -- In the key: a new epoch's subscribers get rows of their own beside the
@@ -1691,7 +1702,7 @@ COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole ta
 COMMENT ON COLUMN pgbroker.interest.name IS 'The broker (lease name) of these clients.';
 COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch: rows of an earlier epoch than the lease''s are invisible and swept by broker_sweep().';
 COMMENT ON COLUMN pgbroker.interest.lock_key IS 'Its lease''s lock_key (liveness test and wake-up channel of the triggers).';
-COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed clients, in subscription order.';
+COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed clients, each once.';
 
 -- ---------------------------------------------------------------------------
 -- Subscriptions.
@@ -1811,6 +1822,10 @@ RETURNS bigint
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- Planned for each call's arrays: a generic plan, made for no size in particular, joined them in loops.
+SET plan_cache_mode = force_custom_plan
+-- Hash joins of the arrays: a merge join sorted both (the estimates made it look cheaper).
+SET enable_mergejoin = off
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(subscribe_many.name);
@@ -1820,16 +1835,29 @@ DECLARE
                                           cardinality(subscribe_many.keys), false);
     v_watch pgbroker.watched := pgbroker._watch_of(subscribe_many."table");
     v_keys jsonb[] := pgbroker._encode_keys(v_watch, subscribe_many.keys);
+    v_ids text[];
+    v_client_keys bigint[];
+    v_fresh boolean[];
     v_bad integer;
     v_new bigint;
 BEGIN
-    -- Every client known in this epoch, or the error subscribe() gives for
-    -- the first that is not, naming its position.  (Arrays are read with
-    -- unnest, never subscripted: subscripting an array of variable-length
-    -- values costs time in proportion to the position.)
-    SELECT min(u.i) INTO v_bad
-      FROM unnest(subscribe_many.client_ids) WITH ORDINALITY AS u(id, i)
-     WHERE NOT EXISTS (SELECT FROM pgbroker.client c WHERE c.name = v_name AND c.epoch = v_epoch AND c.client_id = u.id);
+    -- Each client given, looked up and its row locked (as subscribe() locks
+    -- it) once, by an index probe: a batch costs the same whatever the
+    -- number of the epoch's clients.  Or the error subscribe() gives for the
+    -- first unknown one, naming its position.  A client with no subscription
+    -- to the table yet (every client, after a restart) is "fresh": none of
+    -- its pairs needs looking for below.
+    WITH ids AS (
+        SELECT u.id, min(u.i) AS i FROM unnest(subscribe_many.client_ids) WITH ORDINALITY AS u(id, i) GROUP BY u.id
+    )
+    SELECT min(ids.i) FILTER (WHERE c.client_key IS NULL), array_agg(ids.id), array_agg(c.client_key),
+           array_agg(NOT EXISTS (SELECT FROM pgbroker.subscription s
+                                  WHERE s.client_key = c.client_key AND s.watch_id = v_watch.watch_id))
+      INTO v_bad, v_ids, v_client_keys, v_fresh
+      FROM ids
+      LEFT JOIN LATERAL (SELECT x.client_key FROM pgbroker.client x
+                          WHERE x.name = v_name AND x.epoch = v_epoch AND x.client_id = ids.id
+                            FOR KEY SHARE) c ON true;
     IF v_bad IS NOT NULL THEN
         RAISE EXCEPTION 'client "%" (client_ids[%]) is not registered with broker "%"',
                 subscribe_many.client_ids[v_bad], v_bad, v_name
@@ -1837,28 +1865,36 @@ BEGIN
     END IF;
     PERFORM pgbroker._subscribe_lock(v_watch, subscribe_many."table", subscribe_many.wait);
     -- One statement, one round of the watch lock, whatever the number: the
-    -- new subscriptions (a pair given twice counts once), then their ids
-    -- appended to the interest of their key, in the order given.
-    WITH given AS (
-        SELECT c.client_key, u.id, u.row_key, min(u.i) AS i
-          FROM unnest(subscribe_many.client_ids, v_keys) WITH ORDINALITY AS u(id, row_key, i)
-          JOIN pgbroker.client c ON c.name = v_name AND c.epoch = v_epoch AND c.client_id = u.id
-         GROUP BY c.client_key, u.id, u.row_key
+    -- pairs not subscribed yet (a pair given twice counts once), inserted,
+    -- and their ids appended to the interest of their key.  No ON CONFLICT: subscriptions to a table are only made under
+    -- its watch lock, which this transaction holds exclusively, so no other
+    -- can insert one of these pairs meanwhile.  (Arrays are read with unnest,
+    -- never subscripted: subscripting an array of variable-length values
+    -- costs time in proportion to the position.)
+    WITH clients AS (
+        SELECT k.id, k.client_key, k.fresh FROM unnest(v_ids, v_client_keys, v_fresh) AS k(id, client_key, fresh)
+    ), new AS MATERIALIZED (
+        SELECT c.client_key, g.id, g.row_key
+          FROM (SELECT DISTINCT u.id, u.row_key FROM unnest(subscribe_many.client_ids, v_keys) AS u(id, row_key)) g
+          JOIN clients c ON c.id = g.id
+          -- an index probe per pair of a client that is not fresh, never a scan of what the table has
+          LEFT JOIN LATERAL (SELECT true AS found FROM pgbroker.subscription s
+                              WHERE NOT c.fresh
+                                AND s.client_key = c.client_key AND s.watch_id = v_watch.watch_id AND s.row_key = g.row_key
+                              LIMIT 1) e ON true
+         WHERE e.found IS NULL
     ), added AS (
         INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
-        SELECT g.client_key, v_watch.watch_id, g.row_key FROM given g
-        ON CONFLICT DO NOTHING
-        RETURNING client_key, row_key
+        SELECT n.client_key, v_watch.watch_id, n.row_key FROM new n
     ), interest AS (
         INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
-        SELECT v_watch.watch_id, a.row_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
-               array_agg(g.id ORDER BY g.i)
-          FROM added a
-          JOIN given g ON g.client_key = a.client_key AND g.row_key = a.row_key
-         GROUP BY a.row_key
+        SELECT v_watch.watch_id, n.row_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
+               array_agg(n.id)
+          FROM new n
+         GROUP BY n.row_key
         ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || excluded.clients
     )
-    SELECT count(*) INTO v_new FROM added;
+    SELECT count(*) INTO v_new FROM new;
     RETURN v_new;
 END
 $$;
@@ -1894,9 +1930,10 @@ COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
 -- ---------------------------------------------------------------------------
 -- Keeping the interest in step with the client registry.
 
--- An unregistered client leaves the interest of its broker's current epoch.
--- (The clients of earlier epochs are deleted by broker_sweep(), after the
--- interest they made.)
+-- A deleted client's subscriptions go with it; one of the current epoch
+-- (unregistered) also leaves the interest it made.  (The clients of earlier
+-- epochs are deleted by broker_sweep() after their subscriptions, and their
+-- interest is deleted whole.)
 CREATE FUNCTION pgbroker._interest_drop_client()
 RETURNS trigger
 LANGUAGE plpgsql
@@ -1905,17 +1942,19 @@ AS $$
 BEGIN
     IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
         PERFORM pgbroker._interest_remove(OLD.client_key, NULL, NULL);
+    ELSE
+        DELETE FROM pgbroker.subscription s WHERE s.client_key = OLD.client_key;
     END IF;
     RETURN OLD;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._interest_drop_client() IS
-    'Internal (trigger): remove a client of the current epoch from pgbroker.interest before it is deleted.';
+    'Internal (trigger): delete a client''s subscriptions before the client; one of the current epoch also leaves pgbroker.interest.';
 
 CREATE TRIGGER _400_drop_interest
 BEFORE DELETE ON pgbroker.client
 FOR EACH ROW EXECUTE FUNCTION pgbroker._interest_drop_client();
-COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'An unregistered client leaves the interest its subscriptions made.';
+COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'A deleted client''s subscriptions go with it, and an unregistered one leaves the interest they made.';
 
 -- ===== sql/500_outbox.sql =====
 
@@ -2225,8 +2264,8 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.outbox_fetch(text, integer, bigint[]) IS
 $$Holder only: up to MAX_ROWS pending notifications of lease NAME, oldest first (for any one row: in commit order).
-Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell, in
-subscription order; never empty), at.
+Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell, each
+once, never empty), at.
 Rows stay until acknowledged, by outbox_ack() or by passing their ids as ACK to the next outbox_fetch() (one round
 trip less): at-least-once delivery within the epoch.$$;
 
@@ -2927,7 +2966,9 @@ BEGIN
     EXECUTE format('DROP FUNCTION pgbroker._watch_%1$s_ins(), pgbroker._watch_%1$s_upd(), '
                    'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc()', v_watch.watch_id);
     DELETE FROM pgbroker.outbox WHERE watch_id = v_watch.watch_id;
-    DELETE FROM pgbroker.watched WHERE watch_id = v_watch.watch_id;   -- cascades to subscriptions and interest
+    DELETE FROM pgbroker.subscription WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.interest WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.watched WHERE watch_id = v_watch.watch_id;
     RETURN true;
 END
 $$;
