@@ -10,9 +10,12 @@
 -- A broker that restarts registers its clients again, many per call with
 -- client_register_many().
 
+-- No foreign key to the lease: its check would run once per registered
+-- client, and a restarting broker registers them by the ten thousand.  Only
+-- functions that checked the lease (_acting_epoch) insert here.
 CREATE TABLE pgbroker.client (
     client_key bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    name text NOT NULL REFERENCES pgbroker.lease (name) ON DELETE CASCADE,
+    name text NOT NULL,
     epoch bigint NOT NULL,
     client_id text NOT NULL,
     info jsonb NOT NULL DEFAULT '{}',

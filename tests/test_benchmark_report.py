@@ -73,10 +73,21 @@ def sections(report):
     )
     prim.notes.append("tooz (pgsql driver) skipped: No module named 'tooz'")
 
+    scale = _bench("bench_scale").Results()
+    scale.add("30k x 10: takeover claim after SIGKILL (median of 3)", "9.0 ms", "6.6 ms", "1.37x", "<= 2x ok")
+    for n, claim, rate, e2e in ((1_000, 4.5, 92_000, 0.2), (30_000, 9.0, 100_000, 3.1)):
+        scale.point("takeover claim (ms)", n, claim)
+        scale.point("empty-state claim (ms)", n, 6.6)
+        scale.point("batched, SQL arrays (subs/s)", n, rate)
+        scale.point("floor INSERT ... SELECT (rows/s)", n, 2.5 * rate)
+        scale.point("end to end (s)", n, e2e)
+        scale.point("watched single-row UPDATE, backend CPU (us)", n, 200.0)
+
     return [
         report.Section("lease", "Broker lease (bench_lease.py)", lease, settings="full", seconds=60),
         report.Section("fanout", "Fan-out (bench_fanout.py)", fanout, settings="--quick", seconds=90),
         report.Section("primitives", "Primitives and peers (bench_primitives.py)", prim, settings="--quick"),
+        report.Section("scale", "Restart at size (bench_scale.py)", scale, settings="--quick"),
         report.Section("broken", "A benchmark that failed", None, error="Traceback ...\nRuntimeError: boom"),
     ]
 
@@ -115,15 +126,15 @@ def test_report_writes_markdown_and_valid_pngs(report, sections, tmp_path):
     text = path.read_text()
     pngs = sorted((tmp_path / "out").glob("*.png"))
     names = {p.name for p in pngs}
-    assert names == {"ratios_lease.png", "ratios_fanout.png", "ratios_primitives.png", "lock_peers.png",
-                     "latencies.png"}  # fmt: skip
+    assert names == {"ratios_lease.png", "ratios_fanout.png", "ratios_primitives.png", "ratios_scale.png",
+                     "lock_peers.png", "latencies.png", "scale.png"}  # fmt: skip
     for png in pngs:
         data = png.read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 1000, png
         assert f"]({png.name})" in text
     assert "no ratio plot for A benchmark that failed: the benchmark failed" in text
     assert "no latency histograms" in text
-    for section in sections[:3]:
+    for section in sections[:4]:
         for metric, *_ in section.results.rows:
             assert metric.strip().replace("|", "\\|") in text
     lat = {label: (a, b) for label, a, b in report.latency_rows(sections)}

@@ -1186,9 +1186,12 @@ COMMENT ON FUNCTION pgbroker.lease_history_prune(interval) IS
 -- A broker that restarts registers its clients again, many per call with
 -- client_register_many().
 
+-- No foreign key to the lease: its check would run once per registered
+-- client, and a restarting broker registers them by the ten thousand.  Only
+-- functions that checked the lease (_acting_epoch) insert here.
 CREATE TABLE pgbroker.client (
     client_key bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    name text NOT NULL REFERENCES pgbroker.lease (name) ON DELETE CASCADE,
+    name text NOT NULL,
     epoch bigint NOT NULL,
     client_id text NOT NULL,
     info jsonb NOT NULL DEFAULT '{}',
@@ -2344,6 +2347,7 @@ DECLARE
     v_left bigint := broker_sweep.max_rows;
     v_done bigint;
     v_lease record;
+    v_clients bigint[];
 BEGIN
     IF broker_sweep.name IS NOT NULL THEN
         PERFORM pgbroker._check_name(broker_sweep.name);
@@ -2353,9 +2357,9 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- Rows another sweep has locked are skipped (FOR UPDATE SKIP LOCKED): two
-    -- sweeps never wait for each other either.  Subscriptions go before their
-    -- clients, and a client goes once it has none, so the foreign key's
-    -- cascade finds nothing left to do.
+    -- sweeps never wait for each other either.  Clients go MAX_ROWS / 16 at a
+    -- time with all their subscriptions, so a batch is larger than MAX_ROWS
+    -- only when they have more than 15 each.
     FOR v_lease IN SELECT l.name, l.epoch FROM pgbroker.lease l
                     WHERE broker_sweep.name IS NULL OR l.name = broker_sweep.name
                     ORDER BY l.name LOOP
@@ -2365,43 +2369,39 @@ BEGIN
                                     LIMIT v_left FOR UPDATE SKIP LOCKED));
         GET DIAGNOSTICS v_done = ROW_COUNT;
         v_left := v_left - v_done;
-        EXIT WHEN v_left = 0;
+        EXIT WHEN v_left <= 0;
         DELETE FROM pgbroker.interest i
          WHERE i.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.interest x
                                     WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
                                     LIMIT v_left FOR UPDATE SKIP LOCKED));
         GET DIAGNOSTICS v_done = ROW_COUNT;
         v_left := v_left - v_done;
-        EXIT WHEN v_left = 0;
-        DELETE FROM pgbroker.subscription s
-         WHERE s.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.client c
-                                     JOIN pgbroker.subscription x ON x.client_key = c.client_key
-                                    WHERE c.name = v_lease.name AND c.epoch < v_lease.epoch
-                                    LIMIT v_left FOR UPDATE OF x SKIP LOCKED));
+        EXIT WHEN v_left <= 0;
+        -- A batch of the earlier epochs' clients, their subscriptions first
+        -- (found by their key: never a scan past clients already emptied).
+        v_clients := ARRAY(SELECT x.client_key FROM pgbroker.client x
+                            WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
+                            LIMIT greatest(v_left / 16, 1) FOR UPDATE SKIP LOCKED);
+        DELETE FROM pgbroker.subscription s WHERE s.client_key = ANY (v_clients);
         GET DIAGNOSTICS v_done = ROW_COUNT;
         v_left := v_left - v_done;
-        EXIT WHEN v_left = 0;
-        DELETE FROM pgbroker.client c
-         WHERE c.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.client x
-                                    WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
-                                      AND NOT EXISTS (SELECT FROM pgbroker.subscription s WHERE s.client_key = x.client_key)
-                                    LIMIT v_left FOR UPDATE SKIP LOCKED));
+        DELETE FROM pgbroker.client c WHERE c.client_key = ANY (v_clients);
         GET DIAGNOSTICS v_done = ROW_COUNT;
         v_left := v_left - v_done;
-        EXIT WHEN v_left = 0;
+        EXIT WHEN v_left <= 0;
         DELETE FROM pgbroker.state s
          WHERE s.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.state x
                                     WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
                                     LIMIT v_left FOR UPDATE SKIP LOCKED));
         GET DIAGNOSTICS v_done = ROW_COUNT;
         v_left := v_left - v_done;
-        EXIT WHEN v_left = 0;
+        EXIT WHEN v_left <= 0;
     END LOOP;
     RETURN broker_sweep.max_rows - v_left;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_sweep(text, integer) IS
-$$Delete up to MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications, interest, subscriptions, clients, broker state, in that order. Returns how many it deleted: call it again until it returns 0.
+$$Delete about MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications, interest, clients with their subscriptions, broker state, in that order. Returns how many it deleted: call it again until it returns 0.
 Those rows are invisible from the moment a new epoch is claimed; sweeping only frees their space. Nobody waits for a sweep (writers, subscribers and the new broker never touch those rows), and two sweeps skip each other's rows. Call it in autocommit mode, so each batch commits on its own.$$;
 
 -- ===== sql/600_triggers.sql =====

@@ -3,9 +3,10 @@
     python3 -m pip install -e '.[bench]'        # matplotlib, for the plots
     python3 tests/benchmarks/report.py [--quick] [--out DIR]
 
-Runs bench_lease, bench_fanout and bench_primitives in this order (never two
-at once: each starts its own PostgreSQL and measures against floors of its own
-run), then writes into DIR (default ``tests/benchmarks/results/``):
+Runs bench_lease, bench_fanout, bench_primitives and bench_scale in this
+order (never two at once: each starts its own PostgreSQL and measures against
+floors of its own run), then writes into DIR (default
+``tests/benchmarks/results/``):
 
 - ``report.md``: the machine (CPU model and count, PostgreSQL version, date),
   then one table per benchmark with its rows as the benchmark prints them and
@@ -16,11 +17,14 @@ run), then writes into DIR (default ``tests/benchmarks/results/``):
   peer that was installed, side by side, against the same raw floor;
 - ``latencies.png``: the latency percentiles the benchmarks report (takeover
   after SIGKILL, commit-to-handler, release-to-waiter), pgbroker beside its
-  floor.  The benchmarks keep percentiles, not raw samples, so no histogram.
+  floor.  The benchmarks keep percentiles, not raw samples, so no histogram;
+- ``scale.png``: the restart at size against the number of clients: the
+  takeover claim beside the empty-state claim, re-registration rates beside
+  the floor's, the end-to-end restart, and the steady-state costs.
 
 The ratios carry the claims; absolute times move with the machine's load.
-``--quick`` shortens the fan-out and primitives runs (noisier); the lease
-benchmark has no quick mode.
+``--quick`` shortens the fan-out, primitives and scale runs (noisier; the scale
+benchmark stops at 30k clients); the lease benchmark has no quick mode.
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ def run_all(quick: bool) -> list[Section]:
     import bench_fanout
     import bench_lease
     import bench_primitives
+    import bench_scale
 
     plans: list[tuple[str, str, Callable[[], Any], str]] = [
         ("lease", "Broker lease (bench_lease.py)", bench_lease.run, "full (no quick mode)"),
@@ -142,6 +147,12 @@ def run_all(quick: bool) -> list[Section]:
             "primitives",
             "Primitives and peers (bench_primitives.py)",
             lambda: bench_primitives.run(bench_primitives.Settings.quick() if quick else bench_primitives.Settings()),
+            "--quick" if quick else "full",
+        ),
+        (
+            "scale",
+            "Restart at size (bench_scale.py)",
+            lambda: bench_scale.run((1_000, 10_000, 30_000), quick=True) if quick else bench_scale.run(),
             "--quick" if quick else "full",
         ),
     ]
@@ -202,6 +213,8 @@ def render_markdown(
         " which direction is better for each row.",
         "primitives": "ratio: pgbroker's throughput / the floor's (higher is better), except the latency"
         " rows (p99 / the floor's p99); CPU = client + server.",
+        "scale": "ratio: pgbroker's time (or cost) / the floor's (lower is better); the steady-state rows compare"
+        " each size with the smallest.",
     }
     for section in sections:
         out += [f"## {section.title}", ""]
@@ -388,6 +401,39 @@ def plot_latencies(sections: Sequence[Section], out: Path) -> Path | None:
     return path
 
 
+def plot_scale(sections: Sequence[Section], out: Path) -> Path | None:
+    """The restart at size against the number of clients, one panel per question."""
+    series = next((getattr(s.results, "series", None) for s in sections if s.name == "scale" and s.results), None)
+    if not series:
+        return None
+    plt = _matplotlib()
+    panels = [
+        ("Takeover claim after SIGKILL (ms)", ["takeover claim (ms)", "empty-state claim (ms)"]),
+        ("Re-registration (subscriptions/s)",
+         ["batched, SQL arrays (subs/s)", "batched, Broker.*_many (subs/s)", "floor INSERT ... SELECT (rows/s)"]),
+        ("SIGKILL to every client re-subscribed and served (s)", ["end to end (s)"]),
+        ("Steady state (server backend CPU, us)",
+         ["watched single-row UPDATE, backend CPU (us)", "fetch per delivered row, backend CPU (us)"]),
+    ]  # fmt: skip
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (title, names) in zip(axes.flat, panels, strict=True):
+        for name in names:
+            points = sorted(series.get(name, {}).items())
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("clients (x 10 subscriptions)")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=6)
+    fig.suptitle("Restart at size: what a takeover and a reconnect cost as the old broker's state grows", fontsize=10)
+    fig.tight_layout()
+    path = out / "scale.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def render_plots(sections: Sequence[Section], out: Path) -> tuple[list[Path], list[str]]:
     """Write the PNGs; returns (paths, notes on what was skipped and why)."""
     plots: list[Path] = []
@@ -409,6 +455,11 @@ def render_plots(sections: Sequence[Section], out: Path) -> tuple[list[Path], li
     path = plot_latencies(sections, out)
     if path is None:
         skipped.append("no latency plot: no latency rows")
+    else:
+        plots.append(path)
+    path = plot_scale(sections, out)
+    if path is None:
+        skipped.append("no scale plot: the scale benchmark did not run")
     else:
         plots.append(path)
     skipped.append(
