@@ -25,6 +25,15 @@ from pgbroker.errors import (
     TableBusy,
     UnknownClient,
 )
+from pgbroker.events import (
+    LeaseState,
+    Registry,
+    RegistryEvent,
+    async_observe,
+    async_registry_feed,
+    observe,
+    registry_feed,
+)
 from pgbroker.install import migrate
 from pgbroker.primitives import (
     KV,
@@ -63,6 +72,13 @@ __all__ = [
     "TableBusy",
     "UnknownClient",
     "migrate",
+    "LeaseState",
+    "Registry",
+    "RegistryEvent",
+    "async_observe",
+    "async_registry_feed",
+    "observe",
+    "registry_feed",
     "AsyncCounter",
     "AsyncKV",
     "AsyncLock",

@@ -125,8 +125,33 @@ def generate_primitives(source: str) -> str:
     return generate(source, PRIMITIVES_HEADER, PRIMITIVE_RENAMES + RENAMES)
 
 
+EVENTS_SOURCE = HERE / "_events_async.py"
+EVENTS_TARGET = HERE / "_events_sync.py"
+
+EVENTS_HEADER = '''\
+# Generated from pgbroker/_events_async.py by `python3 -m pgbroker._gen_sync`: do not edit.
+# Change the async source and run the generator; tests/test_events.py checks that the two agree.
+"""Lease and registry events for threads, generated from :mod:`pgbroker._events_async`."""
+'''
+
+# Applied before RENAMES to the events.
+EVENTS_RENAMES: list[tuple[str, str]] = [
+    (r"\basync_(observe|registry_feed)\b", r"\1"),
+    (r"\b_events_async\b", "_events_sync"),
+]
+
+
+def generate_events(source: str) -> str:
+    """The synchronous events module for the text of :mod:`pgbroker._events_async`."""
+    return generate(source, EVENTS_HEADER, EVENTS_RENAMES + RENAMES)
+
+
 # (source, target, generator) of every generated module.
-PAIRS = [(SOURCE, TARGET, generate), (PRIMITIVES_SOURCE, PRIMITIVES_TARGET, generate_primitives)]
+PAIRS = [
+    (SOURCE, TARGET, generate),
+    (PRIMITIVES_SOURCE, PRIMITIVES_TARGET, generate_primitives),
+    (EVENTS_SOURCE, EVENTS_TARGET, generate_events),
+]
 
 
 def main(argv: list[str] | None = None) -> int:

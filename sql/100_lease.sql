@@ -86,7 +86,7 @@ CREATE TABLE pgbroker.lease (
         CONSTRAINT lease_lock_key_unique UNIQUE,
     epoch bigint NOT NULL DEFAULT 0,
     state text NOT NULL DEFAULT 'new'
-        CONSTRAINT lease_state_valid CHECK (state IN ('new', 'held', 'released')),
+        CONSTRAINT lease_state_valid CHECK (state IN ('new', 'held', 'released', 'expired')),
     holder_pid integer,
     holder_backend_start timestamptz,
     holder_user name,
@@ -112,7 +112,7 @@ COMMENT ON TABLE pgbroker.lease IS
 COMMENT ON COLUMN pgbroker.lease.name IS 'Lease name (1 to 63 bytes).';
 COMMENT ON COLUMN pgbroker.lease.lock_key IS 'Second key of the advisory lock (pgbroker._lock_class(), lock_key); unique per name, so names never collide.';
 COMMENT ON COLUMN pgbroker.lease.epoch IS 'Fencing token: greater than every epoch handed out before, across crashes and failovers ((WAL timeline - 1) * 2^40 + a sequence value, so it may skip values); 0 before the first claim.';
-COMMENT ON COLUMN pgbroker.lease.state IS 'new (never claimed), held (claimed and not released) or released.';
+COMMENT ON COLUMN pgbroker.lease.state IS 'new (never claimed), held (claimed and not released), released, or expired (a TTL lease whose time ran out unrenewed, once noticed: lease_expiry_check()).';
 COMMENT ON COLUMN pgbroker.lease.holder_pid IS 'Backend pid of the session that made the last claim.';
 COMMENT ON COLUMN pgbroker.lease.holder_backend_start IS 'Start time of that backend (guards against pid reuse).';
 COMMENT ON COLUMN pgbroker.lease.holder_user IS 'session_user of the holder.';
@@ -158,7 +158,7 @@ CREATE TABLE pgbroker.lease_event (
     name text NOT NULL,
     epoch bigint NOT NULL,
     event text NOT NULL
-        CONSTRAINT lease_event_event_valid CHECK (event IN ('claim', 'takeover', 'stale_takeover', 'release')),
+        CONSTRAINT lease_event_event_valid CHECK (event IN ('claim', 'takeover', 'stale_takeover', 'release', 'expired')),
     at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     pid integer NOT NULL,
     db_user name NOT NULL,
@@ -174,12 +174,12 @@ CREATE TABLE pgbroker.lease_event (
 );
 CREATE INDEX lease_event_name_epoch ON pgbroker.lease_event (name, epoch);
 COMMENT ON TABLE pgbroker.lease_event IS
-    'History of every claim, takeover and release. Internal: read the view pgbroker.lease_history.';
+    'History of every claim, takeover, release and expiry, each announced on lease_channel() as it commits. Internal: read the view pgbroker.lease_history.';
 COMMENT ON COLUMN pgbroker.lease_event.id IS 'Increasing event number.';
 COMMENT ON COLUMN pgbroker.lease_event.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.lease_event.epoch IS 'Epoch claimed or released.';
 COMMENT ON COLUMN pgbroker.lease_event.at IS 'When it happened (clock time inside the acting transaction).';
-COMMENT ON COLUMN pgbroker.lease_event.pid IS 'Backend pid of the session that acted.';
+COMMENT ON COLUMN pgbroker.lease_event.pid IS 'Backend pid of the session that acted (for expired: of the holder whose lease lapsed).';
 COMMENT ON COLUMN pgbroker.lease_event.db_user IS 'Database user (session_user) that acted.';
 COMMENT ON COLUMN pgbroker.lease_event.application IS 'Its application_name.';
 COMMENT ON COLUMN pgbroker.lease_event.address IS 'Its client address (NULL over a Unix socket).';
@@ -189,8 +189,47 @@ COMMENT ON COLUMN pgbroker.lease_event.previous_pid IS 'For a claim: the previou
 COMMENT ON COLUMN pgbroker.lease_event.previous_application IS 'For a claim: the previous holder''s application_name.';
 COMMENT ON COLUMN pgbroker.lease_event.previous_address IS 'For a claim: the previous holder''s address.';
 COMMENT ON COLUMN pgbroker.lease_event.previous_heartbeat_at IS 'For a claim: the previous holder''s last heartbeat.';
-COMMENT ON COLUMN pgbroker.lease_event.event IS 'claim, takeover (holder terminated by takeover => true), stale_takeover (holder terminated because its heartbeat was older than stale_after) or release.';
+COMMENT ON COLUMN pgbroker.lease_event.event IS 'claim, takeover (holder terminated by takeover => true), stale_takeover (holder terminated because its heartbeat was older than stale_after), release, or expired (a TTL lease that lapsed unrenewed).';
 COMMENT ON COLUMN pgbroker.lease_event.reason IS 'Why: who took over from whom, how old the heartbeat was, whether the previous holder had released or died.';
+
+-- ---------------------------------------------------------------------------
+-- Lease events: every history row is announced on lease_channel() by the
+-- transaction that writes it, so a NOTIFY arrives exactly when the change it
+-- names commits (and never for a claim that rolled back).  Observers LISTEN
+-- before they read pgbroker.brokers and miss nothing.
+
+CREATE FUNCTION pgbroker.lease_channel()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'pgbroker_lease'::text $$;
+COMMENT ON FUNCTION pgbroker.lease_channel() IS
+$$The channel every lease event is announced on as it commits: pgbroker_lease. Payload: a JSON object with name, epoch,
+event (claim, release, takeover, stale_takeover, expired), pid (the new holder's; for release and expired, the one that
+left), application, info (its first 1,000 bytes), at, previous_epoch and previous_pid (for a claim).$$;
+
+CREATE FUNCTION pgbroker._lease_event_announce()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM pg_notify('pgbroker_lease',
+                      json_build_object('name', NEW.name, 'epoch', NEW.epoch, 'event', NEW.event, 'pid', NEW.pid,
+                                        'application', NEW.application,
+                                        'info', left(NEW.info, 1000),   -- a NOTIFY payload holds 8,000 bytes
+                                        'at', NEW.at, 'previous_epoch', NEW.previous_epoch,
+                                        'previous_pid', NEW.previous_pid)::text);
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_event_announce() IS
+    'Internal (trigger): announce a new lease history row on lease_channel() (delivered when its transaction commits).';
+
+CREATE TRIGGER _100_announce
+AFTER INSERT ON pgbroker.lease_event
+FOR EACH ROW EXECUTE FUNCTION pgbroker._lease_event_announce();
+COMMENT ON TRIGGER _100_announce ON pgbroker.lease_event IS 'Every lease event is announced on lease_channel() at its commit.';
 
 -- ---------------------------------------------------------------------------
 -- Broker state: a small key/value store per lease, written only by the
@@ -476,6 +515,39 @@ COMMENT ON FUNCTION pgbroker._lease_sweep() IS
     'Internal: release session-level pgbroker locks of this backend that no lease row accounts for (stray locks).';
 
 -- ---------------------------------------------------------------------------
+-- TTL leases that lapse.  A TTL lease whose time ran out unrenewed is free
+-- from that moment (_lease_live says so), but no statement runs then to say
+-- it.  The first to notice records it, state 'expired' and a history event
+-- 'expired' (announced like every event): the next claim of the name, a
+-- sweep (broker_sweep), an observer (lease_expiry_check).
+
+CREATE FUNCTION pgbroker._lease_expire(p_name text)
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    WITH lapsed AS (
+        UPDATE pgbroker.lease l SET state = 'expired'
+         WHERE (p_name IS NULL OR l.name = p_name)
+           AND l.state = 'held' AND l.expires_at <= clock_timestamp()
+        RETURNING l.*
+    )
+    INSERT INTO pgbroker.lease_event (name, epoch, event, pid, db_user, application, address, info, reason)
+    SELECT x.name, x.epoch, 'expired', x.holder_pid, x.holder_user, x.holder_application, x.holder_address, x.holder_info,
+           format('the TTL lease of epoch %s expired at %s unrenewed (noticed by pid %s)', x.epoch, x.expires_at,
+                  pg_backend_pid())
+      FROM lapsed x;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_expire(text) IS
+    'Internal: mark the TTL leases of p_name (NULL: all) whose time ran out expired, with an expired event each; returns how many.';
+
+-- ---------------------------------------------------------------------------
 -- Terminating a holder.
 
 CREATE FUNCTION pgbroker._lease_terminate(p_name text, p_pid integer)
@@ -577,6 +649,11 @@ BEGIN
 
     PERFORM pgbroker._lease_sweep();
     SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    IF v_lease.state = 'held' AND v_lease.expires_at <= clock_timestamp() THEN
+        -- A TTL lease that lapsed unnoticed: say so before claiming over it.
+        PERFORM pgbroker._lease_expire(p_name);
+        SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    END IF;
     IF NOT FOUND THEN
         -- First claim of this name.  Only then INSERT: an INSERT ... ON
         -- CONFLICT waits for any open transaction that changed the row, which
@@ -699,6 +776,7 @@ BEGIN
                                                   v_killed, v_prev.epoch, clock_timestamp() - v_prev.heartbeat_at, p_stale_after)
         WHEN v_prev.state = 'new' THEN 'first claim'
         WHEN v_prev.state = 'released' THEN format('epoch %s was released', v_prev.epoch)
+        WHEN v_prev.state = 'expired' THEN format('the TTL lease of epoch %s expired at %s', v_prev.epoch, v_prev.expires_at)
         WHEN v_prev.expires_at IS NOT NULL THEN format('the TTL lease of epoch %s expired at %s', v_prev.epoch, v_prev.expires_at)
         WHEN v_lost THEN format('the same session (pid %s) had lost the lock of epoch %s (pg_advisory_unlock_all() or DISCARD ALL)',
                                 v_me, v_prev.epoch)
@@ -938,6 +1016,10 @@ BEGIN
         RAISE EXCEPTION 'epoch % of lease "%" is stale: the current epoch is %', broker_assert.epoch, v_name, v_lease.epoch
             USING ERRCODE = 'PB002', DETAIL = format('holder_pid=%s claimed_at=%s', v_lease.holder_pid, v_lease.claimed_at);
     END IF;
+    IF v_lease.state = 'expired' THEN
+        RAISE EXCEPTION 'epoch % of lease "%" expired at %', broker_assert.epoch, v_name, v_lease.expires_at
+            USING ERRCODE = 'PB002';
+    END IF;
     IF v_lease.state <> 'held' THEN
         RAISE EXCEPTION 'epoch % of lease "%" was released', broker_assert.epoch, v_name USING ERRCODE = 'PB002';
     END IF;
@@ -967,6 +1049,23 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT coalesce((SELECT pgbroker._lease_live(l) FROM pgbroker.lease l WHERE l.name = broker_alive.name), false)
 $$;
+CREATE FUNCTION pgbroker.lease_expiry_check(name text DEFAULT NULL)
+RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF lease_expiry_check.name IS NOT NULL THEN
+        PERFORM pgbroker._check_name(lease_expiry_check.name);
+    END IF;
+    RETURN pgbroker._lease_expire(lease_expiry_check.name);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.lease_expiry_check(text) IS
+$$Record, and announce on lease_channel() (event expired), every TTL lease of NAME (NULL: of every name) whose time ran out unrenewed; returns how many.
+The next claim of a name and broker_sweep() do it too; an observer that sees a TTL holder's expires_at pass calls it, so that every observer hears of the expiry.$$;
+
 COMMENT ON FUNCTION pgbroker.broker_alive(text) IS
 $$True when lease NAME is held and alive: a TTL lease not yet expired, a session lease whose holder's session exists and holds the lock; false otherwise (also for an unknown name).
 pgbroker_reader and pgbroker_broker may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;

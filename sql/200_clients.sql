@@ -36,6 +36,124 @@ COMMENT ON COLUMN pgbroker.client.info IS 'What the broker knows of the client (
 COMMENT ON COLUMN pgbroker.client.registered_at IS 'When it was registered.';
 COMMENT ON COLUMN pgbroker.client.updated_at IS 'When its info last changed.';
 
+-- ---------------------------------------------------------------------------
+-- Registry events: the registry as a live feed.  While some session watches
+-- a broker's registry (registry_watch_begin), every change to its clients
+-- and subscriptions is announced on registry_channel(name) at commit, a JSON
+-- object with event (register, update, unregister, subscribe, unsubscribe),
+-- name, epoch, client_id, and info (for register and update, when under 4,000
+-- bytes) or table and key (for subscriptions; key null: the whole table).
+-- While nobody watches, nothing is announced, so a broker's calls pay only
+-- the test below.  The test is the one the key-value store uses
+-- (670_kv.sql), per broker name, with two lock classes:
+--   (1885823591 'pgbg', _registry_key(name)) "watchers": held shared by each
+--       watching session until registry_watch_end or its end;
+--   (1885823590 'pgbf', _registry_key(name)) "writes in flight": held shared
+--       by each registry change until its transaction ends, taken with a try
+--       before it looks for watchers.
+-- A watcher LISTENs, takes "watchers" shared, then "writes in flight"
+-- exclusive for its transaction (waiting for the changes that looked before
+-- it), and only then reads: every change is either announced after it
+-- listens or committed before it reads.  Changes never wait for watchers: one
+-- that finds "writes in flight" taken announces itself.
+
+CREATE FUNCTION pgbroker._lock_class_registry()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823591 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_registry() IS
+    'Internal: ''pgbg''; (class, _registry_key(name)) is held shared by the sessions that watch the registry of broker name.';
+
+CREATE FUNCTION pgbroker._lock_class_registry_write()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823590 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_registry_write() IS
+    'Internal: ''pgbf''; (class, _registry_key(name)) is held shared by registry changes of broker name until they commit.';
+
+-- Two names that share a key only make changes of one announced while the
+-- other is watched: harmless.
+CREATE FUNCTION pgbroker._registry_key(p_name text)
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT pg_catalog.hashtext(p_name) $$;
+COMMENT ON FUNCTION pgbroker._registry_key(text) IS 'Internal: the second key of the registry locks of broker p_name.';
+
+CREATE FUNCTION pgbroker.registry_channel(name text DEFAULT 'default')
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'pgbroker_registry_' || md5(pgbroker._check_name(registry_channel.name)) $$;
+COMMENT ON FUNCTION pgbroker.registry_channel(text) IS
+$$The channel registry events of broker NAME are announced on while a session watches (registry_watch_begin): 'pgbroker_registry_' and a digest of the name (never user text). Payload: a JSON object with event (register, update, unregister, subscribe, unsubscribe), name, epoch, client_id, and info (register, update; left out over 4,000 bytes) or table and key (subscribe, unsubscribe; key null: the whole table).$$;
+
+CREATE FUNCTION pgbroker.registry_watch_begin(name text DEFAULT 'default')
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key integer := pgbroker._registry_key(pgbroker._check_name(registry_watch_begin.name));
+BEGIN
+    PERFORM pg_advisory_lock_shared(pgbroker._lock_class_registry(), v_key);
+    PERFORM set_config('pgbroker.registry_watching', 'on', false);   -- this session's own changes: see _registry_watched
+    -- Wait for the changes that looked for watchers before we registered.
+    PERFORM pg_advisory_xact_lock(pgbroker._lock_class_registry_write(), v_key);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.registry_watch_begin(text) IS
+$$Register this session as a watcher of the registry of broker NAME: from now on every change to its clients and subscriptions is announced on registry_channel(NAME) at commit (without a watcher, nothing is).
+Waits for the changes in flight (they looked for watchers before) to commit or roll back. The loop: LISTEN on registry_channel(NAME) (and lease_channel(), whose events tell of a new epoch), then SELECT registry_watch_begin(NAME), both outside a transaction, then read the views clients and subscriptions, then apply each event. Held until registry_watch_end(NAME) or the session ends.$$;
+
+CREATE FUNCTION pgbroker.registry_watch_end(name text DEFAULT 'default')
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
+AS $$
+BEGIN
+    RETURN pg_advisory_unlock_shared(pgbroker._lock_class_registry(),
+                                     pgbroker._registry_key(pgbroker._check_name(registry_watch_end.name)));
+END
+$$;
+COMMENT ON FUNCTION pgbroker.registry_watch_end(text) IS
+    'End one registry_watch_begin(NAME) of this session (they stack); false when it has none. Changes stay announced while any session watches.';
+
+-- Whether the changes of this transaction to broker p_name's registry must be
+-- announced (see above).  No SET clause: only SECURITY DEFINER functions with
+-- a pinned search_path call it; every name in it is qualified.
+CREATE FUNCTION pgbroker._registry_watched(p_name text)
+RETURNS boolean
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_key integer := pgbroker._registry_key(p_name);
+BEGIN
+    -- A session's own shared lock never conflicts with its own try: a session
+    -- that watches marks itself and always announces.
+    IF pg_catalog.pg_try_advisory_xact_lock_shared(pgbroker._lock_class_registry_write(), v_key)
+       AND pg_catalog.current_setting('pgbroker.registry_watching', true) IS DISTINCT FROM 'on' THEN
+        RETURN NOT (CASE WHEN pg_catalog.pg_try_advisory_lock(pgbroker._lock_class_registry(), v_key)
+                         THEN pg_catalog.pg_advisory_unlock(pgbroker._lock_class_registry(), v_key)
+                         ELSE false END);
+    END IF;
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._registry_watched(text) IS
+    'Internal: whether registry changes of broker p_name must be announced now (a watcher is registered, or one is registering).';
+
+-- The payload of a client's event.
+CREATE FUNCTION pgbroker._registry_client_event(p_event text, p_name text, p_epoch bigint, p_client_id text, p_info jsonb)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT pg_catalog.json_build_object('event', p_event, 'name', p_name, 'epoch', p_epoch, 'client_id', p_client_id,
+                                        'info', CASE WHEN pg_catalog.octet_length(p_info::text) <= 4000 THEN p_info END)::text
+$$;
+COMMENT ON FUNCTION pgbroker._registry_client_event(text, text, bigint, text, jsonb) IS
+    'Internal: the registry_channel() payload of a client''s register, update or unregister (info left out over 4,000 bytes).';
+
 -- The epoch on whose behalf the caller acts: its own lease when p_epoch is
 -- NULL (PB001 unless this session holds it), else p_epoch once checked like
 -- broker_assert() (PB002 unless current and alive).
@@ -146,6 +264,12 @@ BEGIN
     ON CONFLICT ON CONSTRAINT client_id_unique
     DO UPDATE SET info = excluded.info, updated_at = clock_timestamp()
     RETURNING (xmax = 0) INTO v_inserted;
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_client_event(CASE WHEN v_inserted THEN 'register' ELSE 'update' END, v_name,
+                                                          v_epoch, client_register.client_id,
+                                                          coalesce(client_register.info, '{}')));
+    END IF;
     RETURN v_inserted;
 END
 $$;
@@ -168,6 +292,8 @@ DECLARE
     v_epoch bigint := pgbroker._acting_epoch(v_name, client_register_many.epoch);
     v_bad integer;
     v_new bigint;
+    v_watched boolean;
+    v_announced bigint;
 BEGIN
     PERFORM pgbroker._check_arrays('client_ids', array_ndims(client_register_many.client_ids),
                                    cardinality(client_register_many.client_ids),
@@ -180,6 +306,7 @@ BEGIN
     IF v_bad IS NOT NULL THEN
         PERFORM pgbroker._check_client_id(client_register_many.client_ids[v_bad], format('client_ids[%s]', v_bad));
     END IF;
+    v_watched := pgbroker._registry_watched(v_name);
     -- One statement; an id given twice counts once and keeps its last info,
     -- as one-row calls in that order would leave it.
     -- (Arrays are read with unnest, never subscripted: subscripting an array
@@ -193,9 +320,17 @@ BEGIN
         SELECT v_name, v_epoch, g.id, g.info FROM given g
         ON CONFLICT ON CONSTRAINT client_id_unique
         DO UPDATE SET info = excluded.info, updated_at = clock_timestamp()
-        RETURNING (c.xmax = 0) AS inserted
+        RETURNING c.client_id, c.info, (c.xmax = 0) AS inserted
     )
-    SELECT count(*) FILTER (WHERE inserted) INTO v_new FROM registered;
+    -- (A FILTER is tested before its aggregate's argument: nothing is
+    -- announced while nobody watches.)
+    SELECT count(*) FILTER (WHERE r.inserted),
+           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(v_name),
+                                   pgbroker._registry_client_event(CASE WHEN r.inserted THEN 'register' ELSE 'update' END,
+                                                                   v_name, v_epoch, r.client_id, r.info))))
+               FILTER (WHERE v_watched)
+      INTO v_new, v_announced
+      FROM registered r;
     RETURN v_new;
 END
 $$;
@@ -217,6 +352,11 @@ DECLARE
 BEGIN
     UPDATE pgbroker.client SET info = coalesce(client_update.info, '{}'), updated_at = clock_timestamp()
      WHERE client_key = v_key;
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_client_event('update', v_name, v_epoch, client_update.client_id,
+                                                          coalesce(client_update.info, '{}')));
+    END IF;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_update(text, jsonb, text, bigint) IS
@@ -239,6 +379,10 @@ BEGIN
         RETURN false;
     END IF;
     DELETE FROM pgbroker.client WHERE client_key = v_key;   -- subscriptions go with it (400_subscriptions.sql)
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_client_event('unregister', v_name, v_epoch, client_unregister.client_id, NULL));
+    END IF;
     RETURN true;
 END
 $$;

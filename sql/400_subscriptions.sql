@@ -72,6 +72,18 @@ COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed cli
 -- ---------------------------------------------------------------------------
 -- Subscriptions.
 
+-- The registry_channel() payload of a subscribe or unsubscribe (200_clients.sql).
+CREATE FUNCTION pgbroker._registry_subscription_event(p_event text, p_name text, p_epoch bigint, p_client_id text,
+                                                      p_table text, p_key jsonb)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT pg_catalog.json_build_object('event', p_event, 'name', p_name, 'epoch', p_epoch, 'client_id', p_client_id,
+                                        'table', p_table, 'key', p_key)::text
+$$;
+COMMENT ON FUNCTION pgbroker._registry_subscription_event(text, text, bigint, text, text, jsonb) IS
+    'Internal: the registry_channel() payload of a subscribe or unsubscribe (key JSON null: the whole table).';
+
 -- Remove client p_client from interest rows: of one (watch, key), or all its own when p_watch_id is NULL.
 CREATE FUNCTION pgbroker._interest_remove(p_client bigint, p_watch_id integer, p_row_key jsonb)
 RETURNS void
@@ -171,6 +183,11 @@ BEGIN
     VALUES (v_watch.watch_id, v_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
             ARRAY[subscribe.client_id])
     ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || subscribe.client_id;
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_subscription_event('subscribe', v_name, v_epoch, subscribe.client_id,
+                                                                v_watch.relid::regclass::text, v_key));
+    END IF;
     RETURN true;
 END
 $$;
@@ -205,6 +222,8 @@ DECLARE
     v_fresh boolean[];
     v_bad integer;
     v_new bigint;
+    v_watched boolean;
+    v_announced bigint;
 BEGIN
     -- Each client given, looked up and its row locked (as subscribe() locks
     -- it) once, by an index probe: a batch costs the same whatever the
@@ -229,6 +248,7 @@ BEGIN
             USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register() or client_register_many().';
     END IF;
     PERFORM pgbroker._subscribe_lock(v_watch, subscribe_many."table", subscribe_many.wait);
+    v_watched := pgbroker._registry_watched(v_name);
     -- One statement, one round of the watch lock, whatever the number: the
     -- pairs not subscribed yet (a pair given twice counts once), inserted,
     -- and their ids appended to the interest of their key.  No ON CONFLICT: subscriptions to a table are only made under
@@ -259,7 +279,15 @@ BEGIN
          GROUP BY n.row_key
         ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || excluded.clients
     )
-    SELECT count(*) INTO v_new FROM new;
+    -- (A FILTER is tested before its aggregate's argument: nothing is
+    -- announced while nobody watches.)
+    SELECT count(*),
+           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(v_name),
+                                   pgbroker._registry_subscription_event('subscribe', v_name, v_epoch, n.id,
+                                                                         v_watch.relid::regclass::text, n.row_key))))
+               FILTER (WHERE v_watched)
+      INTO v_new, v_announced
+      FROM new n;
     RETURN v_new;
 END
 $$;
@@ -286,6 +314,11 @@ BEGIN
         RETURN false;
     END IF;
     PERFORM pgbroker._interest_remove(v_client, v_watch.watch_id, v_key);
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_subscription_event('unsubscribe', v_name, v_epoch, unsubscribe.client_id,
+                                                                v_watch.relid::regclass::text, v_key));
+    END IF;
     RETURN true;
 END
 $$;

@@ -32,6 +32,8 @@ BEGIN
         RAISE EXCEPTION 'max_rows must be at least 1, got %', coalesce(broker_sweep.max_rows::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- The janitor's other duty: TTL leases that lapsed unnoticed (100_lease.sql).
+    PERFORM pgbroker._lease_expire(broker_sweep.name);
     -- Rows another sweep has locked are skipped (FOR UPDATE SKIP LOCKED): two
     -- sweeps never wait for each other either.  Clients go MAX_ROWS / 16 at a
     -- time with all their subscriptions, so a batch is larger than MAX_ROWS
@@ -77,5 +79,5 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_sweep(text, integer) IS
-$$Delete about MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications, interest, clients with their subscriptions, broker state, in that order. Returns how many it deleted: call it again until it returns 0.
+$$Delete about MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications, interest, clients with their subscriptions, broker state, in that order. Returns how many it deleted: call it again until it returns 0. Also records and announces TTL leases that expired unnoticed (lease_expiry_check).
 Those rows are invisible from the moment a new epoch is claimed; sweeping only frees their space. Nobody waits for a sweep (writers, subscribers and the new broker never touch those rows), and two sweeps skip each other's rows. Call it in autocommit mode, so each batch commits on its own.$$;

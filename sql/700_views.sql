@@ -29,7 +29,7 @@ SELECT l.name,
 COMMENT ON VIEW pgbroker.brokers IS 'One row per lease name: its epoch, holder and whether the holder is alive.';
 COMMENT ON COLUMN pgbroker.brokers.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.brokers.epoch IS 'Current epoch (fencing token); 0 before the first claim.';
-COMMENT ON COLUMN pgbroker.brokers.state IS 'new, held or released.';
+COMMENT ON COLUMN pgbroker.brokers.state IS 'new, held, released or expired (a TTL lease that lapsed, once noticed).';
 COMMENT ON COLUMN pgbroker.brokers.holder_pid IS 'Backend pid of the holder (of the last holder when not alive).';
 COMMENT ON COLUMN pgbroker.brokers.holder_application IS 'application_name of the holder at claim time.';
 COMMENT ON COLUMN pgbroker.brokers.holder_address IS 'Client address of the holder; NULL over a Unix socket.';
@@ -46,11 +46,11 @@ CREATE VIEW pgbroker.lease_history AS
 SELECT id, name, epoch, event, at, pid, db_user, application, address, info,
        previous_epoch, previous_pid, previous_application, previous_address, previous_heartbeat_at, reason
   FROM pgbroker.lease_event;
-COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover and release, oldest first by id: who took the lease from whom, when and why.';
+COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover, release and expiry, oldest first by id: who took the lease from whom, when and why. Each was announced on lease_channel() as it committed.';
 COMMENT ON COLUMN pgbroker.lease_history.id IS 'Increasing event number.';
 COMMENT ON COLUMN pgbroker.lease_history.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.lease_history.epoch IS 'Epoch claimed or released.';
-COMMENT ON COLUMN pgbroker.lease_history.event IS 'claim, takeover, stale_takeover or release.';
+COMMENT ON COLUMN pgbroker.lease_history.event IS 'claim, takeover, stale_takeover, release or expired.';
 COMMENT ON COLUMN pgbroker.lease_history.at IS 'When it happened (clock time inside the claiming transaction).';
 COMMENT ON COLUMN pgbroker.lease_history.pid IS 'Backend pid of the session that acted.';
 COMMENT ON COLUMN pgbroker.lease_history.db_user IS 'Database user (session_user) that acted.';
@@ -94,11 +94,11 @@ COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscripti
 CREATE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
        CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
-  FROM pgbroker.subscription s
-  JOIN pgbroker.client c ON c.client_key = s.client_key
-  JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
+  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l WHERE pgbroker.broker_alive(l.name) OFFSET 0) l  -- once per lease
+  JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch
+  JOIN pgbroker.subscription s ON s.client_key = c.client_key
   JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
-COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what (clients of the brokers'' current epochs).';
+COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what: the clients of live brokers, as in the view clients.';
 COMMENT ON COLUMN pgbroker.subscriptions.name IS 'Broker (lease name) of the client.';
 COMMENT ON COLUMN pgbroker.subscriptions.client_id IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscriptions."table" IS 'The watched table.';

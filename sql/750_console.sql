@@ -30,7 +30,7 @@ COMMENT ON VIEW pgbroker.broker_overview IS
     'One row per broker (lease name): holder, liveness, takeovers, clients, subscriptions, outbox backlog and what is left to sweep. What pgbroker status shows.';
 COMMENT ON COLUMN pgbroker.broker_overview.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.broker_overview.epoch IS 'Current epoch (fencing token).';
-COMMENT ON COLUMN pgbroker.broker_overview.state IS 'new, held or released.';
+COMMENT ON COLUMN pgbroker.broker_overview.state IS 'new, held, released or expired.';
 COMMENT ON COLUMN pgbroker.broker_overview.alive IS 'True when the recorded holder''s backend exists and holds the lock.';
 COMMENT ON COLUMN pgbroker.broker_overview.holder_pid IS 'Backend pid of the (last) holder.';
 COMMENT ON COLUMN pgbroker.broker_overview.holder_application IS 'Its application_name at claim time.';

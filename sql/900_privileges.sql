@@ -46,7 +46,12 @@ GRANT SELECT ON
     pgbroker.metrics
 TO pgbroker_reader;
 GRANT EXECUTE ON FUNCTION
-    pgbroker.broker_alive(text)
+    pgbroker.broker_alive(text),
+    pgbroker.lease_channel(),
+    pgbroker.lease_expiry_check(text),
+    pgbroker.registry_channel(text),
+    pgbroker.registry_watch_begin(text),
+    pgbroker.registry_watch_end(text)
 TO pgbroker_reader;
 
 -- Brokers: the lease, broker state, clients, subscriptions and delivery.
@@ -57,6 +62,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_heartbeat(text),
     pgbroker.broker_assert(text, bigint),
     pgbroker.broker_alive(text),
+    pgbroker.lease_channel(),
+    pgbroker.lease_expiry_check(text),
     pgbroker.broker_state_set(text, text, jsonb),
     pgbroker.broker_state_delete(text, text),
     pgbroker.client_register(text, jsonb, text, bigint),

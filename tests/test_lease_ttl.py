@@ -62,7 +62,9 @@ def test_ttl_lease_holds_renews_expires_and_fences(connect):
     new = claim(b, "t", owner="b", ttl="5 s")
     assert new > epoch
     assert obs.execute("SELECT count(*) FROM pgbroker.clients WHERE name = 't'").fetchone()[0] == 0
-    assert [e["event"] for e in history(obs, "t")] == ["claim", "claim"]
+    # The claim noticed the expiry first: an expired event, then its own.
+    assert [e["event"] for e in history(obs, "t")] == ["claim", "expired", "claim"]
+    assert [e["epoch"] for e in history(obs, "t")] == [epoch, epoch, new]
     assert "expired" in history(obs, "t")[-1]["reason"]
     assert b.execute("SELECT pgbroker.broker_release('t', 'b')").fetchone()[0] is True
     assert lease_row(obs, "t")["alive"] is False

@@ -203,7 +203,7 @@ CREATE TABLE pgbroker.lease (
         CONSTRAINT lease_lock_key_unique UNIQUE,
     epoch bigint NOT NULL DEFAULT 0,
     state text NOT NULL DEFAULT 'new'
-        CONSTRAINT lease_state_valid CHECK (state IN ('new', 'held', 'released')),
+        CONSTRAINT lease_state_valid CHECK (state IN ('new', 'held', 'released', 'expired')),
     holder_pid integer,
     holder_backend_start timestamptz,
     holder_user name,
@@ -229,7 +229,7 @@ COMMENT ON TABLE pgbroker.lease IS
 COMMENT ON COLUMN pgbroker.lease.name IS 'Lease name (1 to 63 bytes).';
 COMMENT ON COLUMN pgbroker.lease.lock_key IS 'Second key of the advisory lock (pgbroker._lock_class(), lock_key); unique per name, so names never collide.';
 COMMENT ON COLUMN pgbroker.lease.epoch IS 'Fencing token: greater than every epoch handed out before, across crashes and failovers ((WAL timeline - 1) * 2^40 + a sequence value, so it may skip values); 0 before the first claim.';
-COMMENT ON COLUMN pgbroker.lease.state IS 'new (never claimed), held (claimed and not released) or released.';
+COMMENT ON COLUMN pgbroker.lease.state IS 'new (never claimed), held (claimed and not released), released, or expired (a TTL lease whose time ran out unrenewed, once noticed: lease_expiry_check()).';
 COMMENT ON COLUMN pgbroker.lease.holder_pid IS 'Backend pid of the session that made the last claim.';
 COMMENT ON COLUMN pgbroker.lease.holder_backend_start IS 'Start time of that backend (guards against pid reuse).';
 COMMENT ON COLUMN pgbroker.lease.holder_user IS 'session_user of the holder.';
@@ -275,7 +275,7 @@ CREATE TABLE pgbroker.lease_event (
     name text NOT NULL,
     epoch bigint NOT NULL,
     event text NOT NULL
-        CONSTRAINT lease_event_event_valid CHECK (event IN ('claim', 'takeover', 'stale_takeover', 'release')),
+        CONSTRAINT lease_event_event_valid CHECK (event IN ('claim', 'takeover', 'stale_takeover', 'release', 'expired')),
     at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     pid integer NOT NULL,
     db_user name NOT NULL,
@@ -291,12 +291,12 @@ CREATE TABLE pgbroker.lease_event (
 );
 CREATE INDEX lease_event_name_epoch ON pgbroker.lease_event (name, epoch);
 COMMENT ON TABLE pgbroker.lease_event IS
-    'History of every claim, takeover and release. Internal: read the view pgbroker.lease_history.';
+    'History of every claim, takeover, release and expiry, each announced on lease_channel() as it commits. Internal: read the view pgbroker.lease_history.';
 COMMENT ON COLUMN pgbroker.lease_event.id IS 'Increasing event number.';
 COMMENT ON COLUMN pgbroker.lease_event.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.lease_event.epoch IS 'Epoch claimed or released.';
 COMMENT ON COLUMN pgbroker.lease_event.at IS 'When it happened (clock time inside the acting transaction).';
-COMMENT ON COLUMN pgbroker.lease_event.pid IS 'Backend pid of the session that acted.';
+COMMENT ON COLUMN pgbroker.lease_event.pid IS 'Backend pid of the session that acted (for expired: of the holder whose lease lapsed).';
 COMMENT ON COLUMN pgbroker.lease_event.db_user IS 'Database user (session_user) that acted.';
 COMMENT ON COLUMN pgbroker.lease_event.application IS 'Its application_name.';
 COMMENT ON COLUMN pgbroker.lease_event.address IS 'Its client address (NULL over a Unix socket).';
@@ -306,8 +306,47 @@ COMMENT ON COLUMN pgbroker.lease_event.previous_pid IS 'For a claim: the previou
 COMMENT ON COLUMN pgbroker.lease_event.previous_application IS 'For a claim: the previous holder''s application_name.';
 COMMENT ON COLUMN pgbroker.lease_event.previous_address IS 'For a claim: the previous holder''s address.';
 COMMENT ON COLUMN pgbroker.lease_event.previous_heartbeat_at IS 'For a claim: the previous holder''s last heartbeat.';
-COMMENT ON COLUMN pgbroker.lease_event.event IS 'claim, takeover (holder terminated by takeover => true), stale_takeover (holder terminated because its heartbeat was older than stale_after) or release.';
+COMMENT ON COLUMN pgbroker.lease_event.event IS 'claim, takeover (holder terminated by takeover => true), stale_takeover (holder terminated because its heartbeat was older than stale_after), release, or expired (a TTL lease that lapsed unrenewed).';
 COMMENT ON COLUMN pgbroker.lease_event.reason IS 'Why: who took over from whom, how old the heartbeat was, whether the previous holder had released or died.';
+
+-- ---------------------------------------------------------------------------
+-- Lease events: every history row is announced on lease_channel() by the
+-- transaction that writes it, so a NOTIFY arrives exactly when the change it
+-- names commits (and never for a claim that rolled back).  Observers LISTEN
+-- before they read pgbroker.brokers and miss nothing.
+
+CREATE FUNCTION pgbroker.lease_channel()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'pgbroker_lease'::text $$;
+COMMENT ON FUNCTION pgbroker.lease_channel() IS
+$$The channel every lease event is announced on as it commits: pgbroker_lease. Payload: a JSON object with name, epoch,
+event (claim, release, takeover, stale_takeover, expired), pid (the new holder's; for release and expired, the one that
+left), application, info (its first 1,000 bytes), at, previous_epoch and previous_pid (for a claim).$$;
+
+CREATE FUNCTION pgbroker._lease_event_announce()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM pg_notify('pgbroker_lease',
+                      json_build_object('name', NEW.name, 'epoch', NEW.epoch, 'event', NEW.event, 'pid', NEW.pid,
+                                        'application', NEW.application,
+                                        'info', left(NEW.info, 1000),   -- a NOTIFY payload holds 8,000 bytes
+                                        'at', NEW.at, 'previous_epoch', NEW.previous_epoch,
+                                        'previous_pid', NEW.previous_pid)::text);
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_event_announce() IS
+    'Internal (trigger): announce a new lease history row on lease_channel() (delivered when its transaction commits).';
+
+CREATE TRIGGER _100_announce
+AFTER INSERT ON pgbroker.lease_event
+FOR EACH ROW EXECUTE FUNCTION pgbroker._lease_event_announce();
+COMMENT ON TRIGGER _100_announce ON pgbroker.lease_event IS 'Every lease event is announced on lease_channel() at its commit.';
 
 -- ---------------------------------------------------------------------------
 -- Broker state: a small key/value store per lease, written only by the
@@ -593,6 +632,39 @@ COMMENT ON FUNCTION pgbroker._lease_sweep() IS
     'Internal: release session-level pgbroker locks of this backend that no lease row accounts for (stray locks).';
 
 -- ---------------------------------------------------------------------------
+-- TTL leases that lapse.  A TTL lease whose time ran out unrenewed is free
+-- from that moment (_lease_live says so), but no statement runs then to say
+-- it.  The first to notice records it, state 'expired' and a history event
+-- 'expired' (announced like every event): the next claim of the name, a
+-- sweep (broker_sweep), an observer (lease_expiry_check).
+
+CREATE FUNCTION pgbroker._lease_expire(p_name text)
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    WITH lapsed AS (
+        UPDATE pgbroker.lease l SET state = 'expired'
+         WHERE (p_name IS NULL OR l.name = p_name)
+           AND l.state = 'held' AND l.expires_at <= clock_timestamp()
+        RETURNING l.*
+    )
+    INSERT INTO pgbroker.lease_event (name, epoch, event, pid, db_user, application, address, info, reason)
+    SELECT x.name, x.epoch, 'expired', x.holder_pid, x.holder_user, x.holder_application, x.holder_address, x.holder_info,
+           format('the TTL lease of epoch %s expired at %s unrenewed (noticed by pid %s)', x.epoch, x.expires_at,
+                  pg_backend_pid())
+      FROM lapsed x;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lease_expire(text) IS
+    'Internal: mark the TTL leases of p_name (NULL: all) whose time ran out expired, with an expired event each; returns how many.';
+
+-- ---------------------------------------------------------------------------
 -- Terminating a holder.
 
 CREATE FUNCTION pgbroker._lease_terminate(p_name text, p_pid integer)
@@ -694,6 +766,11 @@ BEGIN
 
     PERFORM pgbroker._lease_sweep();
     SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    IF v_lease.state = 'held' AND v_lease.expires_at <= clock_timestamp() THEN
+        -- A TTL lease that lapsed unnoticed: say so before claiming over it.
+        PERFORM pgbroker._lease_expire(p_name);
+        SELECT * INTO v_lease FROM pgbroker.lease WHERE name = p_name;
+    END IF;
     IF NOT FOUND THEN
         -- First claim of this name.  Only then INSERT: an INSERT ... ON
         -- CONFLICT waits for any open transaction that changed the row, which
@@ -816,6 +893,7 @@ BEGIN
                                                   v_killed, v_prev.epoch, clock_timestamp() - v_prev.heartbeat_at, p_stale_after)
         WHEN v_prev.state = 'new' THEN 'first claim'
         WHEN v_prev.state = 'released' THEN format('epoch %s was released', v_prev.epoch)
+        WHEN v_prev.state = 'expired' THEN format('the TTL lease of epoch %s expired at %s', v_prev.epoch, v_prev.expires_at)
         WHEN v_prev.expires_at IS NOT NULL THEN format('the TTL lease of epoch %s expired at %s', v_prev.epoch, v_prev.expires_at)
         WHEN v_lost THEN format('the same session (pid %s) had lost the lock of epoch %s (pg_advisory_unlock_all() or DISCARD ALL)',
                                 v_me, v_prev.epoch)
@@ -1055,6 +1133,10 @@ BEGIN
         RAISE EXCEPTION 'epoch % of lease "%" is stale: the current epoch is %', broker_assert.epoch, v_name, v_lease.epoch
             USING ERRCODE = 'PB002', DETAIL = format('holder_pid=%s claimed_at=%s', v_lease.holder_pid, v_lease.claimed_at);
     END IF;
+    IF v_lease.state = 'expired' THEN
+        RAISE EXCEPTION 'epoch % of lease "%" expired at %', broker_assert.epoch, v_name, v_lease.expires_at
+            USING ERRCODE = 'PB002';
+    END IF;
     IF v_lease.state <> 'held' THEN
         RAISE EXCEPTION 'epoch % of lease "%" was released', broker_assert.epoch, v_name USING ERRCODE = 'PB002';
     END IF;
@@ -1084,6 +1166,23 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT coalesce((SELECT pgbroker._lease_live(l) FROM pgbroker.lease l WHERE l.name = broker_alive.name), false)
 $$;
+CREATE FUNCTION pgbroker.lease_expiry_check(name text DEFAULT NULL)
+RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF lease_expiry_check.name IS NOT NULL THEN
+        PERFORM pgbroker._check_name(lease_expiry_check.name);
+    END IF;
+    RETURN pgbroker._lease_expire(lease_expiry_check.name);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.lease_expiry_check(text) IS
+$$Record, and announce on lease_channel() (event expired), every TTL lease of NAME (NULL: of every name) whose time ran out unrenewed; returns how many.
+The next claim of a name and broker_sweep() do it too; an observer that sees a TTL holder's expires_at pass calls it, so that every observer hears of the expiry.$$;
+
 COMMENT ON FUNCTION pgbroker.broker_alive(text) IS
 $$True when lease NAME is held and alive: a TTL lease not yet expired, a session lease whose holder's session exists and holds the lock; false otherwise (also for an unknown name).
 pgbroker_reader and pgbroker_broker may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;
@@ -1212,6 +1311,124 @@ COMMENT ON COLUMN pgbroker.client.info IS 'What the broker knows of the client (
 COMMENT ON COLUMN pgbroker.client.registered_at IS 'When it was registered.';
 COMMENT ON COLUMN pgbroker.client.updated_at IS 'When its info last changed.';
 
+-- ---------------------------------------------------------------------------
+-- Registry events: the registry as a live feed.  While some session watches
+-- a broker's registry (registry_watch_begin), every change to its clients
+-- and subscriptions is announced on registry_channel(name) at commit, a JSON
+-- object with event (register, update, unregister, subscribe, unsubscribe),
+-- name, epoch, client_id, and info (for register and update, when under 4,000
+-- bytes) or table and key (for subscriptions; key null: the whole table).
+-- While nobody watches, nothing is announced, so a broker's calls pay only
+-- the test below.  The test is the one the key-value store uses
+-- (670_kv.sql), per broker name, with two lock classes:
+--   (1885823591 'pgbg', _registry_key(name)) "watchers": held shared by each
+--       watching session until registry_watch_end or its end;
+--   (1885823590 'pgbf', _registry_key(name)) "writes in flight": held shared
+--       by each registry change until its transaction ends, taken with a try
+--       before it looks for watchers.
+-- A watcher LISTENs, takes "watchers" shared, then "writes in flight"
+-- exclusive for its transaction (waiting for the changes that looked before
+-- it), and only then reads: every change is either announced after it
+-- listens or committed before it reads.  Changes never wait for watchers: one
+-- that finds "writes in flight" taken announces itself.
+
+CREATE FUNCTION pgbroker._lock_class_registry()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823591 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_registry() IS
+    'Internal: ''pgbg''; (class, _registry_key(name)) is held shared by the sessions that watch the registry of broker name.';
+
+CREATE FUNCTION pgbroker._lock_class_registry_write()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 1885823590 $$;
+COMMENT ON FUNCTION pgbroker._lock_class_registry_write() IS
+    'Internal: ''pgbf''; (class, _registry_key(name)) is held shared by registry changes of broker name until they commit.';
+
+-- Two names that share a key only make changes of one announced while the
+-- other is watched: harmless.
+CREATE FUNCTION pgbroker._registry_key(p_name text)
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT pg_catalog.hashtext(p_name) $$;
+COMMENT ON FUNCTION pgbroker._registry_key(text) IS 'Internal: the second key of the registry locks of broker p_name.';
+
+CREATE FUNCTION pgbroker.registry_channel(name text DEFAULT 'default')
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 'pgbroker_registry_' || md5(pgbroker._check_name(registry_channel.name)) $$;
+COMMENT ON FUNCTION pgbroker.registry_channel(text) IS
+$$The channel registry events of broker NAME are announced on while a session watches (registry_watch_begin): 'pgbroker_registry_' and a digest of the name (never user text). Payload: a JSON object with event (register, update, unregister, subscribe, unsubscribe), name, epoch, client_id, and info (register, update; left out over 4,000 bytes) or table and key (subscribe, unsubscribe; key null: the whole table).$$;
+
+CREATE FUNCTION pgbroker.registry_watch_begin(name text DEFAULT 'default')
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_key integer := pgbroker._registry_key(pgbroker._check_name(registry_watch_begin.name));
+BEGIN
+    PERFORM pg_advisory_lock_shared(pgbroker._lock_class_registry(), v_key);
+    PERFORM set_config('pgbroker.registry_watching', 'on', false);   -- this session's own changes: see _registry_watched
+    -- Wait for the changes that looked for watchers before we registered.
+    PERFORM pg_advisory_xact_lock(pgbroker._lock_class_registry_write(), v_key);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.registry_watch_begin(text) IS
+$$Register this session as a watcher of the registry of broker NAME: from now on every change to its clients and subscriptions is announced on registry_channel(NAME) at commit (without a watcher, nothing is).
+Waits for the changes in flight (they looked for watchers before) to commit or roll back. The loop: LISTEN on registry_channel(NAME) (and lease_channel(), whose events tell of a new epoch), then SELECT registry_watch_begin(NAME), both outside a transaction, then read the views clients and subscriptions, then apply each event. Held until registry_watch_end(NAME) or the session ends.$$;
+
+CREATE FUNCTION pgbroker.registry_watch_end(name text DEFAULT 'default')
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET client_min_messages = error   -- pg_advisory_unlock warns when the lock is not held: we return false instead
+AS $$
+BEGIN
+    RETURN pg_advisory_unlock_shared(pgbroker._lock_class_registry(),
+                                     pgbroker._registry_key(pgbroker._check_name(registry_watch_end.name)));
+END
+$$;
+COMMENT ON FUNCTION pgbroker.registry_watch_end(text) IS
+    'End one registry_watch_begin(NAME) of this session (they stack); false when it has none. Changes stay announced while any session watches.';
+
+-- Whether the changes of this transaction to broker p_name's registry must be
+-- announced (see above).  No SET clause: only SECURITY DEFINER functions with
+-- a pinned search_path call it; every name in it is qualified.
+CREATE FUNCTION pgbroker._registry_watched(p_name text)
+RETURNS boolean
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_key integer := pgbroker._registry_key(p_name);
+BEGIN
+    -- A session's own shared lock never conflicts with its own try: a session
+    -- that watches marks itself and always announces.
+    IF pg_catalog.pg_try_advisory_xact_lock_shared(pgbroker._lock_class_registry_write(), v_key)
+       AND pg_catalog.current_setting('pgbroker.registry_watching', true) IS DISTINCT FROM 'on' THEN
+        RETURN NOT (CASE WHEN pg_catalog.pg_try_advisory_lock(pgbroker._lock_class_registry(), v_key)
+                         THEN pg_catalog.pg_advisory_unlock(pgbroker._lock_class_registry(), v_key)
+                         ELSE false END);
+    END IF;
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._registry_watched(text) IS
+    'Internal: whether registry changes of broker p_name must be announced now (a watcher is registered, or one is registering).';
+
+-- The payload of a client's event.
+CREATE FUNCTION pgbroker._registry_client_event(p_event text, p_name text, p_epoch bigint, p_client_id text, p_info jsonb)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT pg_catalog.json_build_object('event', p_event, 'name', p_name, 'epoch', p_epoch, 'client_id', p_client_id,
+                                        'info', CASE WHEN pg_catalog.octet_length(p_info::text) <= 4000 THEN p_info END)::text
+$$;
+COMMENT ON FUNCTION pgbroker._registry_client_event(text, text, bigint, text, jsonb) IS
+    'Internal: the registry_channel() payload of a client''s register, update or unregister (info left out over 4,000 bytes).';
+
 -- The epoch on whose behalf the caller acts: its own lease when p_epoch is
 -- NULL (PB001 unless this session holds it), else p_epoch once checked like
 -- broker_assert() (PB002 unless current and alive).
@@ -1322,6 +1539,12 @@ BEGIN
     ON CONFLICT ON CONSTRAINT client_id_unique
     DO UPDATE SET info = excluded.info, updated_at = clock_timestamp()
     RETURNING (xmax = 0) INTO v_inserted;
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_client_event(CASE WHEN v_inserted THEN 'register' ELSE 'update' END, v_name,
+                                                          v_epoch, client_register.client_id,
+                                                          coalesce(client_register.info, '{}')));
+    END IF;
     RETURN v_inserted;
 END
 $$;
@@ -1344,6 +1567,8 @@ DECLARE
     v_epoch bigint := pgbroker._acting_epoch(v_name, client_register_many.epoch);
     v_bad integer;
     v_new bigint;
+    v_watched boolean;
+    v_announced bigint;
 BEGIN
     PERFORM pgbroker._check_arrays('client_ids', array_ndims(client_register_many.client_ids),
                                    cardinality(client_register_many.client_ids),
@@ -1356,6 +1581,7 @@ BEGIN
     IF v_bad IS NOT NULL THEN
         PERFORM pgbroker._check_client_id(client_register_many.client_ids[v_bad], format('client_ids[%s]', v_bad));
     END IF;
+    v_watched := pgbroker._registry_watched(v_name);
     -- One statement; an id given twice counts once and keeps its last info,
     -- as one-row calls in that order would leave it.
     -- (Arrays are read with unnest, never subscripted: subscripting an array
@@ -1369,9 +1595,17 @@ BEGIN
         SELECT v_name, v_epoch, g.id, g.info FROM given g
         ON CONFLICT ON CONSTRAINT client_id_unique
         DO UPDATE SET info = excluded.info, updated_at = clock_timestamp()
-        RETURNING (c.xmax = 0) AS inserted
+        RETURNING c.client_id, c.info, (c.xmax = 0) AS inserted
     )
-    SELECT count(*) FILTER (WHERE inserted) INTO v_new FROM registered;
+    -- (A FILTER is tested before its aggregate's argument: nothing is
+    -- announced while nobody watches.)
+    SELECT count(*) FILTER (WHERE r.inserted),
+           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(v_name),
+                                   pgbroker._registry_client_event(CASE WHEN r.inserted THEN 'register' ELSE 'update' END,
+                                                                   v_name, v_epoch, r.client_id, r.info))))
+               FILTER (WHERE v_watched)
+      INTO v_new, v_announced
+      FROM registered r;
     RETURN v_new;
 END
 $$;
@@ -1393,6 +1627,11 @@ DECLARE
 BEGIN
     UPDATE pgbroker.client SET info = coalesce(client_update.info, '{}'), updated_at = clock_timestamp()
      WHERE client_key = v_key;
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_client_event('update', v_name, v_epoch, client_update.client_id,
+                                                          coalesce(client_update.info, '{}')));
+    END IF;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_update(text, jsonb, text, bigint) IS
@@ -1415,6 +1654,10 @@ BEGIN
         RETURN false;
     END IF;
     DELETE FROM pgbroker.client WHERE client_key = v_key;   -- subscriptions go with it (400_subscriptions.sql)
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_client_event('unregister', v_name, v_epoch, client_unregister.client_id, NULL));
+    END IF;
     RETURN true;
 END
 $$;
@@ -1710,6 +1953,18 @@ COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed cli
 -- ---------------------------------------------------------------------------
 -- Subscriptions.
 
+-- The registry_channel() payload of a subscribe or unsubscribe (200_clients.sql).
+CREATE FUNCTION pgbroker._registry_subscription_event(p_event text, p_name text, p_epoch bigint, p_client_id text,
+                                                      p_table text, p_key jsonb)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT pg_catalog.json_build_object('event', p_event, 'name', p_name, 'epoch', p_epoch, 'client_id', p_client_id,
+                                        'table', p_table, 'key', p_key)::text
+$$;
+COMMENT ON FUNCTION pgbroker._registry_subscription_event(text, text, bigint, text, text, jsonb) IS
+    'Internal: the registry_channel() payload of a subscribe or unsubscribe (key JSON null: the whole table).';
+
 -- Remove client p_client from interest rows: of one (watch, key), or all its own when p_watch_id is NULL.
 CREATE FUNCTION pgbroker._interest_remove(p_client bigint, p_watch_id integer, p_row_key jsonb)
 RETURNS void
@@ -1809,6 +2064,11 @@ BEGIN
     VALUES (v_watch.watch_id, v_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
             ARRAY[subscribe.client_id])
     ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || subscribe.client_id;
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_subscription_event('subscribe', v_name, v_epoch, subscribe.client_id,
+                                                                v_watch.relid::regclass::text, v_key));
+    END IF;
     RETURN true;
 END
 $$;
@@ -1843,6 +2103,8 @@ DECLARE
     v_fresh boolean[];
     v_bad integer;
     v_new bigint;
+    v_watched boolean;
+    v_announced bigint;
 BEGIN
     -- Each client given, looked up and its row locked (as subscribe() locks
     -- it) once, by an index probe: a batch costs the same whatever the
@@ -1867,6 +2129,7 @@ BEGIN
             USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register() or client_register_many().';
     END IF;
     PERFORM pgbroker._subscribe_lock(v_watch, subscribe_many."table", subscribe_many.wait);
+    v_watched := pgbroker._registry_watched(v_name);
     -- One statement, one round of the watch lock, whatever the number: the
     -- pairs not subscribed yet (a pair given twice counts once), inserted,
     -- and their ids appended to the interest of their key.  No ON CONFLICT: subscriptions to a table are only made under
@@ -1897,7 +2160,15 @@ BEGIN
          GROUP BY n.row_key
         ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || excluded.clients
     )
-    SELECT count(*) INTO v_new FROM new;
+    -- (A FILTER is tested before its aggregate's argument: nothing is
+    -- announced while nobody watches.)
+    SELECT count(*),
+           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(v_name),
+                                   pgbroker._registry_subscription_event('subscribe', v_name, v_epoch, n.id,
+                                                                         v_watch.relid::regclass::text, n.row_key))))
+               FILTER (WHERE v_watched)
+      INTO v_new, v_announced
+      FROM new n;
     RETURN v_new;
 END
 $$;
@@ -1924,6 +2195,11 @@ BEGIN
         RETURN false;
     END IF;
     PERFORM pgbroker._interest_remove(v_client, v_watch.watch_id, v_key);
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_subscription_event('unsubscribe', v_name, v_epoch, unsubscribe.client_id,
+                                                                v_watch.relid::regclass::text, v_key));
+    END IF;
     RETURN true;
 END
 $$;
@@ -2356,6 +2632,8 @@ BEGIN
         RAISE EXCEPTION 'max_rows must be at least 1, got %', coalesce(broker_sweep.max_rows::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- The janitor's other duty: TTL leases that lapsed unnoticed (100_lease.sql).
+    PERFORM pgbroker._lease_expire(broker_sweep.name);
     -- Rows another sweep has locked are skipped (FOR UPDATE SKIP LOCKED): two
     -- sweeps never wait for each other either.  Clients go MAX_ROWS / 16 at a
     -- time with all their subscriptions, so a batch is larger than MAX_ROWS
@@ -2401,7 +2679,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_sweep(text, integer) IS
-$$Delete about MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications, interest, clients with their subscriptions, broker state, in that order. Returns how many it deleted: call it again until it returns 0.
+$$Delete about MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications, interest, clients with their subscriptions, broker state, in that order. Returns how many it deleted: call it again until it returns 0. Also records and announces TTL leases that expired unnoticed (lease_expiry_check).
 Those rows are invisible from the moment a new epoch is claimed; sweeping only frees their space. Nobody waits for a sweep (writers, subscribers and the new broker never touch those rows), and two sweeps skip each other's rows. Call it in autocommit mode, so each batch commits on its own.$$;
 
 -- ===== sql/600_triggers.sql =====
@@ -3859,7 +4137,7 @@ SELECT l.name,
 COMMENT ON VIEW pgbroker.brokers IS 'One row per lease name: its epoch, holder and whether the holder is alive.';
 COMMENT ON COLUMN pgbroker.brokers.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.brokers.epoch IS 'Current epoch (fencing token); 0 before the first claim.';
-COMMENT ON COLUMN pgbroker.brokers.state IS 'new, held or released.';
+COMMENT ON COLUMN pgbroker.brokers.state IS 'new, held, released or expired (a TTL lease that lapsed, once noticed).';
 COMMENT ON COLUMN pgbroker.brokers.holder_pid IS 'Backend pid of the holder (of the last holder when not alive).';
 COMMENT ON COLUMN pgbroker.brokers.holder_application IS 'application_name of the holder at claim time.';
 COMMENT ON COLUMN pgbroker.brokers.holder_address IS 'Client address of the holder; NULL over a Unix socket.';
@@ -3876,11 +4154,11 @@ CREATE VIEW pgbroker.lease_history AS
 SELECT id, name, epoch, event, at, pid, db_user, application, address, info,
        previous_epoch, previous_pid, previous_application, previous_address, previous_heartbeat_at, reason
   FROM pgbroker.lease_event;
-COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover and release, oldest first by id: who took the lease from whom, when and why.';
+COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover, release and expiry, oldest first by id: who took the lease from whom, when and why. Each was announced on lease_channel() as it committed.';
 COMMENT ON COLUMN pgbroker.lease_history.id IS 'Increasing event number.';
 COMMENT ON COLUMN pgbroker.lease_history.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.lease_history.epoch IS 'Epoch claimed or released.';
-COMMENT ON COLUMN pgbroker.lease_history.event IS 'claim, takeover, stale_takeover or release.';
+COMMENT ON COLUMN pgbroker.lease_history.event IS 'claim, takeover, stale_takeover, release or expired.';
 COMMENT ON COLUMN pgbroker.lease_history.at IS 'When it happened (clock time inside the claiming transaction).';
 COMMENT ON COLUMN pgbroker.lease_history.pid IS 'Backend pid of the session that acted.';
 COMMENT ON COLUMN pgbroker.lease_history.db_user IS 'Database user (session_user) that acted.';
@@ -3924,11 +4202,11 @@ COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscripti
 CREATE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
        CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
-  FROM pgbroker.subscription s
-  JOIN pgbroker.client c ON c.client_key = s.client_key
-  JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
+  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l WHERE pgbroker.broker_alive(l.name) OFFSET 0) l  -- once per lease
+  JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch
+  JOIN pgbroker.subscription s ON s.client_key = c.client_key
   JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
-COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what (clients of the brokers'' current epochs).';
+COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what: the clients of live brokers, as in the view clients.';
 COMMENT ON COLUMN pgbroker.subscriptions.name IS 'Broker (lease name) of the client.';
 COMMENT ON COLUMN pgbroker.subscriptions.client_id IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscriptions."table" IS 'The watched table.';
@@ -4088,7 +4366,7 @@ COMMENT ON VIEW pgbroker.broker_overview IS
     'One row per broker (lease name): holder, liveness, takeovers, clients, subscriptions, outbox backlog and what is left to sweep. What pgbroker status shows.';
 COMMENT ON COLUMN pgbroker.broker_overview.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.broker_overview.epoch IS 'Current epoch (fencing token).';
-COMMENT ON COLUMN pgbroker.broker_overview.state IS 'new, held or released.';
+COMMENT ON COLUMN pgbroker.broker_overview.state IS 'new, held, released or expired.';
 COMMENT ON COLUMN pgbroker.broker_overview.alive IS 'True when the recorded holder''s backend exists and holds the lock.';
 COMMENT ON COLUMN pgbroker.broker_overview.holder_pid IS 'Backend pid of the (last) holder.';
 COMMENT ON COLUMN pgbroker.broker_overview.holder_application IS 'Its application_name at claim time.';
@@ -4255,7 +4533,12 @@ GRANT SELECT ON
     pgbroker.metrics
 TO pgbroker_reader;
 GRANT EXECUTE ON FUNCTION
-    pgbroker.broker_alive(text)
+    pgbroker.broker_alive(text),
+    pgbroker.lease_channel(),
+    pgbroker.lease_expiry_check(text),
+    pgbroker.registry_channel(text),
+    pgbroker.registry_watch_begin(text),
+    pgbroker.registry_watch_end(text)
 TO pgbroker_reader;
 
 -- Brokers: the lease, broker state, clients, subscriptions and delivery.
@@ -4266,6 +4549,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_heartbeat(text),
     pgbroker.broker_assert(text, bigint),
     pgbroker.broker_alive(text),
+    pgbroker.lease_channel(),
+    pgbroker.lease_expiry_check(text),
     pgbroker.broker_state_set(text, text, jsonb),
     pgbroker.broker_state_delete(text, text),
     pgbroker.client_register(text, jsonb, text, bigint),

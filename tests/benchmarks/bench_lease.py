@@ -16,7 +16,11 @@ a) claim+release cycles per second for one client, autocommit:
 b) takeover latency: a holder process holds the lease, a waiter is blocked in
    ``broker_claim(wait => NULL)``; the holder gets SIGKILL; time from the kill
    to the waiter's claim returning.  Floor: a waiter blocked in
-   ``pg_advisory_lock(1,2)``.  Target: p95 under 50 ms.
+   ``pg_advisory_lock(1,2)``.  Target: p95 under 50 ms.  Meanwhile an
+   observer (``pgbroker.observe``, on a connection of its own) waits for the
+   lease event; its delay from the waiter's claim returning to the event in
+   its hands (both clocks are this process's monotonic clock).  Target: p99
+   under 10 ms.
 
 Loopback only; bounded in count and time (about a minute).  Prints a table.
 """
@@ -42,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
 
 import psycopg  # noqa: E402
 
-from pgbroker import install  # noqa: E402
+from pgbroker import install, observe  # noqa: E402
 from pgbroker._embedded import EmbeddedPostgres, find_pg_bin  # noqa: E402
 
 DURABLE = "-c fsync=on -c synchronous_commit=on -c full_page_writes=on"
@@ -54,6 +58,7 @@ TAKEOVERS = 30  # per variant
 TAKEOVER_BUDGET = 60.0  # seconds for all takeovers together
 CYCLE_TARGET = 1.3
 TAKEOVER_P95_TARGET_MS = 50.0
+OBSERVER_P99_TARGET_MS = 10.0
 
 CLAIM = "SELECT pgbroker.broker_claim('bench')"
 RELEASE = "SELECT pgbroker.broker_release('bench')"
@@ -189,8 +194,42 @@ def _wait_until_blocked(monitor: psycopg.Connection, pid: int, timeout: float = 
     raise TimeoutError(f"waiter pid {pid} never blocked on the lock")
 
 
-def _one_takeover(url: str, waiter: psycopg.Connection, monitor: psycopg.Connection, hold: str, wait: str) -> float:
-    """Seconds from SIGKILL of a holder process to the blocked waiter's call returning."""
+class Observer:
+    """pgbroker.observe() of the lease 'takeover' in a thread: the monotonic time each claim event arrived."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.claims: dict[int, float] = {}
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.ready.wait(10)
+
+    def _run(self) -> None:
+        try:
+            for state in observe(self.conn, "takeover", poll_interval=0.5):
+                self.ready.set()
+                if state.event == "claim":
+                    self.claims[state.epoch] = time.monotonic()
+        except psycopg.Error:
+            pass  # closed at the end
+
+    def heard(self, epoch: int, timeout: float = 5.0) -> float:
+        deadline = time.monotonic() + timeout
+        while epoch not in self.claims and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        return self.claims[epoch]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _one_takeover(
+    url: str, waiter: psycopg.Connection, monitor: psycopg.Connection, hold: str, wait: str,
+    observer: Observer | None = None, delays: list[float] | None = None,
+) -> float:  # fmt: skip
+    """Seconds from SIGKILL of a holder process to the blocked waiter's call returning (and, with an observer,
+    the delay from that return to the observer's event, appended to ``delays``)."""
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, url, hold], stdout=subprocess.PIPE, text=True)
     try:
         line = holder.stdout.readline() if holder.stdout else ""
@@ -202,6 +241,7 @@ def _one_takeover(url: str, waiter: psycopg.Connection, monitor: psycopg.Connect
             try:
                 done["value"] = waiter.execute(wait).fetchone()[0]
                 done["at"] = time.perf_counter()
+                done["mono"] = time.monotonic()
             except BaseException as exc:  # reported by the main thread
                 done["error"] = exc
 
@@ -215,6 +255,8 @@ def _one_takeover(url: str, waiter: psycopg.Connection, monitor: psycopg.Connect
             raise done["error"]  # type: ignore[misc]
         if "at" not in done:
             raise TimeoutError("the waiter did not get the lock within 30 s of the holder's death")
+        if observer is not None and delays is not None:
+            delays.append(observer.heard(int(done["value"])) - float(done["mono"]))  # type: ignore[arg-type]
         return float(done["at"]) - killed_at  # type: ignore[arg-type]
     finally:
         if holder.poll() is None:
@@ -224,24 +266,31 @@ def _one_takeover(url: str, waiter: psycopg.Connection, monitor: psycopg.Connect
             holder.stdout.close()
 
 
-def bench_takeover(url: str) -> tuple[list[float], list[float]]:
-    """Takeover latencies in seconds: (pgbroker, floor), alternating."""
+def bench_takeover(url: str) -> tuple[list[float], list[float], list[float]]:
+    """Takeover latencies in seconds: (pgbroker, floor, the observer's delay after pgbroker's), alternating."""
     ours: list[float] = []
     floor: list[float] = []
+    heard: list[float] = []
     variants = [
         (ours, "SELECT pgbroker.broker_claim('takeover')", "SELECT pgbroker.broker_claim('takeover', wait => NULL)",
          "SELECT pgbroker.broker_release('takeover')"),
         (floor, "SELECT pg_advisory_lock(1, 2)", "SELECT pg_advisory_lock(1, 2)", "SELECT pg_advisory_unlock(1, 2)"),
     ]  # fmt: skip
     budget_end = time.monotonic() + TAKEOVER_BUDGET
-    with psycopg.connect(url, autocommit=True) as waiter, psycopg.connect(url, autocommit=True) as monitor:
-        for _ in range(TAKEOVERS):
-            if time.monotonic() > budget_end:
-                break
-            for samples, hold, wait, release in variants:
-                samples.append(_one_takeover(url, waiter, monitor, hold, wait))
-                waiter.execute(release)
-    return ours, floor
+    observer = Observer(url)
+    try:
+        with psycopg.connect(url, autocommit=True) as waiter, psycopg.connect(url, autocommit=True) as monitor:
+            for _ in range(TAKEOVERS):
+                if time.monotonic() > budget_end:
+                    break
+                for samples, hold, wait, release in variants:
+                    watching = samples is ours
+                    samples.append(_one_takeover(url, waiter, monitor, hold, wait, observer if watching else None,
+                                                 heard if watching else None))  # fmt: skip
+                    waiter.execute(release)
+    finally:
+        observer.close()
+    return ours, floor, heard
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -300,7 +349,7 @@ def run() -> Results:
                 f"<= {CYCLE_TARGET}x {'ok' if ratio <= CYCLE_TARGET else 'MISSED'}",
             )
 
-        ours, floor = bench_takeover(url)
+        ours, floor, heard = bench_takeover(url)
         for label, q in (("p50", 0.5), ("p95", 0.95), ("max", 1.0)):
             a, b = _percentile(ours, q) * 1000, _percentile(floor, q) * 1000
             results.figures[f"takeover_{label}_ms"] = a
@@ -315,6 +364,16 @@ def run() -> Results:
                 f"{a / b:.2f}x" if b > 0 else "-",
                 target,
             )
+        p50, p99 = _percentile(heard, 0.5) * 1000, _percentile(heard, 0.99) * 1000
+        results.figures.update(observer_p50_ms=p50, observer_p99_ms=p99)
+        ok = p99 < OBSERVER_P99_TARGET_MS
+        results.add(
+            f"observer hears of the successor, after its claim returned (n={len(heard)})",
+            f"p50 {p50:.2f} ms, p99 {p99:.2f} ms",
+            "",
+            "",
+            f"p99 < {OBSERVER_P99_TARGET_MS:.0f} ms {'ok' if ok else 'MISSED'}",
+        )
     results.figures["seconds"] = time.monotonic() - started
     return results
 

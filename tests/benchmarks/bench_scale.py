@@ -33,6 +33,10 @@ d) steady state, after the sweep and a VACUUM: a watched single-row UPDATE
    smallest size.  Target: at 100k x 10, within 1.2x of 1k x 10.  Also the
    on-disk bytes per subscription (clients, subscriptions, interest, with
    their indexes) and the sweep's rows per second.
+e) registry events while nobody watches: the test every client and
+   subscription call makes (is a watcher registered?), timed in a server-side
+   loop against an empty loop, beside what a ``client_register`` call costs
+   its backend.  Target: nothing measurable (well under 1% of the call).
 
 Loopback only; bounded in count and time (a few minutes at the default
 sizes).  Prints a table, one block per size.
@@ -556,11 +560,39 @@ def run(sizes: tuple[int, ...] = (1_000, 10_000, 30_000, 100_000), *, quick: boo
             empty = [_takeover(url, "empty", 0, waiter, monitor) for _ in range(3 if quick else EMPTY_CLAIMS)]
             empty_ms = statistics.median(empty) * 1000
             results.figures["empty_claim_ms"] = empty_ms
+            _registry_test_cost(admin, waiter, results)
             ctx = Context(url, admin, waiter, monitor, empty_ms, quick, sizes[0])
             for n in sizes:
                 _measure(ctx, n, results)
     results.figures["seconds"] = time.monotonic() - started
     return results
+
+
+def _registry_test_cost(admin: psycopg.Connection, broker: psycopg.Connection, results: Results) -> None:
+    """e) the registry-event test of a call while nobody watches, against a whole client_register call."""
+    loops = 200_000
+    timed = """
+        DO $$ DECLARE t0 timestamptz; w boolean; BEGIN
+            t0 := clock_timestamp();
+            FOR i IN 1 .. {loops} LOOP {body} END LOOP;
+            RAISE NOTICE '%', extract(epoch FROM clock_timestamp() - t0);
+        END $$"""
+    notes: list[str] = []
+    admin.add_notice_handler(lambda d: notes.append(d.message_primary or ""))
+    for body in ("w := i > 0;", "w := pgbroker._registry_watched('bench');"):
+        admin.execute(timed.format(loops=loops, body=body))
+    empty, with_test = (float(n) for n in notes[-2:])
+    test_us = max(with_test - empty, 0.0) / loops * 1e6
+    broker.execute("SELECT pgbroker.broker_claim('registry-cost')")
+    cpu = _backend_cpu(broker)
+    calls = 2000
+    for i in range(calls):
+        broker.execute("SELECT pgbroker.client_register(%s, name => 'registry-cost')", (f"c{i}",))
+    call_us = (_backend_cpu(broker) - cpu) / calls * 1e6
+    broker.execute("SELECT pgbroker.broker_release('registry-cost')")
+    results.add("registry-event test per call while nobody watches (server CPU)", f"{test_us:.2f} us",
+                f"{call_us:.0f} us a client_register", f"{test_us / call_us:.4f}x",
+                f"<< 0.01x {_verdict(test_us / call_us < 0.01)}")  # fmt: skip
 
 
 def _parse_sizes(text: str) -> tuple[int, ...]:
