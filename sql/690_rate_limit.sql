@@ -156,6 +156,6 @@ $$;
 COMMENT ON FUNCTION pgbroker.rate_limit(text, integer, interval, integer, integer) IS
 $$Decide one call of COST (default 1) against the rate limit NAME (1 to 200 bytes): at most RATE per PER on average, and at most BURST (NULL: RATE) at once, for all callers of NAME together.
 Returns allowed; retry_after, '0' when allowed, else how long until a call of this COST can be allowed (nobody else calling meanwhile); remaining, how many calls of cost 1 would be allowed right after this one.
-GCRA on the server's clock, one statement per decision: concurrent callers are never allowed more than BURST + RATE * elapsed / PER, and a denied call uses nothing up. Works through any pooler.
+GCRA on the server's clock, one statement per decision: concurrent callers are never allowed more than BURST + RATE * elapsed / PER, and a denied call uses nothing up. Works through any pooler; the name's row stays locked until the transaction ends, so call it in autocommit mode or last in a short transaction.
 22023 for a bad name, or a RATE, PER, BURST or COST that is NULL (BURST may be), zero or negative, or a COST above BURST; nothing is changed then.
 The state is UNLOGGED: a crash (or failover) forgets it and every limit starts full.$$;
