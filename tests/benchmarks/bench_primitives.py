@@ -1,6 +1,6 @@
 """Benchmark of the coordination primitives against raw SQL floors and peers (run on demand).
 
-    python tests/benchmarks/bench_primitives.py            # about 5 minutes
+    python tests/benchmarks/bench_primitives.py            # about 6 minutes
     python tests/benchmarks/bench_primitives.py --quick    # shorter runs, for a smoke test
     python tests/benchmarks/bench_primitives.py --only ratelimit   # one part (repeatable): locks, semaphores,
                                                                    # counters, peers, breakdown, ratelimit
