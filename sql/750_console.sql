@@ -139,9 +139,23 @@ SELECT v.metric, pg_catalog.jsonb_build_object('name', o.name) AS labels, v.valu
  WHERE v.value IS NOT NULL
 UNION ALL
 SELECT 'pgbroker_notify_queue_usage', '{}'::jsonb, pg_catalog.pg_notification_queue_usage(),
-       'Fraction of the NOTIFY queue in use (pg_notification_queue_usage()).';
+       'Fraction of the NOTIFY queue in use (pg_notification_queue_usage()).'
+UNION ALL
+-- Rate limits in aggregate (a label per name would be one series per user or
+-- key): pgbroker.rate_limits has the names.
+SELECT v.metric, '{}'::jsonb, v.value, v.help
+  FROM (SELECT count(*) AS keys, coalesce(sum(s.allowed), 0) AS allowed, coalesce(sum(s.denied), 0) AS denied
+          FROM pgbroker.rate_limit_state s) r
+ CROSS JOIN LATERAL (VALUES
+       ('pgbroker_rate_limit_keys', r.keys::double precision,
+        'Rate limit names in use (pgbroker.rate_limits).'),
+       ('pgbroker_rate_limit_allowed_total', r.allowed::double precision,
+        'Rate limit calls allowed, all names together (a crash resets it).'),
+       ('pgbroker_rate_limit_denied_total', r.denied::double precision,
+        'Rate limit calls denied, all names together (a crash resets it).')
+     ) AS v(metric, value, help);
 COMMENT ON VIEW pgbroker.metrics IS
-    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage.';
+    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage, rate limit names and calls allowed and denied.';
 COMMENT ON COLUMN pgbroker.metrics.metric IS 'Metric name (the same as postgres_exporter''s through pgbroker/queries.yaml).';
 COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name).';
 COMMENT ON COLUMN pgbroker.metrics.value IS 'The sample''s value.';
