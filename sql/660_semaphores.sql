@@ -134,10 +134,13 @@ COMMENT ON FUNCTION pgbroker._semaphore_keys(text, integer, interval) IS
 -- would only wake each other's waiters for nothing.
 CREATE FUNCTION pgbroker.semaphore_channel(name text)
 RETURNS text
-LANGUAGE sql IMMUTABLE
+LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT 'pgbroker_semaphore_' || md5(pgbroker._check_key(semaphore_channel.name, 'semaphore name')) $$;
+AS $$
+    SELECT pgbroker._name_check('semaphore', pgbroker._check_key(semaphore_channel.name, 'semaphore name'), false);
+    SELECT 'pgbroker_semaphore_' || md5(semaphore_channel.name);
+$$;
 COMMENT ON FUNCTION pgbroker.semaphore_channel(text) IS
     'The channel semaphore_release(NAME) notifies (payload: the permit number): LISTEN on it before trying semaphore_acquire(NAME, limit, ''0''), then wait for a notification and try again.';
 
@@ -165,6 +168,7 @@ BEGIN
     IF semaphore_acquire.wait < '0'::interval THEN
         PERFORM pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 with its message
     END IF;
+    PERFORM pgbroker._name_check('semaphore', v_name, true);
     IF semaphore_acquire."limit" IS NULL OR semaphore_acquire."limit" < 1 OR semaphore_acquire."limit" > 1000 THEN
         RAISE EXCEPTION 'semaphore limit must be 1 to 1000, got %', coalesce(semaphore_acquire."limit"::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';

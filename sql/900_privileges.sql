@@ -41,6 +41,9 @@ GRANT SELECT ON
     pgbroker.kv,
     pgbroker.counters,
     pgbroker.sweep_backlog,
+    pgbroker.name_grants,
+    pgbroker.name_grants_version,
+    pgbroker.unaccounted_locks,
     pgbroker.broker_overview,
     pgbroker.health,
     pgbroker.metrics
@@ -51,7 +54,9 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.lease_expiry_check(text),
     pgbroker.registry_channel(text),
     pgbroker.registry_watch_begin(text),
-    pgbroker.registry_watch_end(text)
+    pgbroker.registry_watch_end(text),
+    pgbroker.name_allowed(text, text, text, regrole),
+    pgbroker.lock_audit()
 TO pgbroker_reader;
 
 -- Brokers: the lease, broker state, clients, subscriptions and delivery.
@@ -78,8 +83,10 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_wake(text),
     pgbroker.broker_sleep(text, interval),
     pgbroker.wakeup_channel(text),
-    pgbroker.broker_sweep(text, integer)
+    pgbroker.broker_sweep(text, integer),
+    pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_broker;
+GRANT SELECT ON pgbroker.name_grants_version TO pgbroker_broker;
 
 -- Users: the coordination primitives.
 GRANT EXECUTE ON FUNCTION
@@ -97,15 +104,19 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.kv_watch_end(),
     pgbroker.counter_add(text, bigint),
     pgbroker.counter_get(text),
-    pgbroker.counter_set(text, bigint, bigint)
+    pgbroker.counter_set(text, bigint, bigint),
+    pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_user;
 -- ... and reads the views of the primitives (a prefix watch lists keys).
-GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters TO pgbroker_user;
+GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters, pgbroker.name_grants_version
+TO pgbroker_user;
 
 -- Admins: watching tables and housekeeping (takeover => true is checked by
 -- broker_claim itself: the login role must be a member of pgbroker_admin).
 GRANT EXECUTE ON FUNCTION
     pgbroker.watch(regclass, interval),
     pgbroker.unwatch(regclass, interval),
-    pgbroker.lease_history_prune(interval)
+    pgbroker.lease_history_prune(interval),
+    pgbroker.name_grant(text, text, regrole, text),
+    pgbroker.name_revoke(text, text, regrole)
 TO pgbroker_admin;
