@@ -1,9 +1,10 @@
 """pgbroker: PostgreSQL as the coordination layer of a backend.
 
 A singleton broker lease with fencing epochs, change fan-out to subscribed
-clients, named locks, semaphores, a key-value store and counters.  The logic
-lives in PL/pgSQL in the schema ``pgbroker``; this package applies the
-migrations and wraps the SQL API for Python callers (see pgbroker/README.md).
+clients, named locks, semaphores, a key-value store, counters and rate
+limits.  The logic lives in PL/pgSQL in the schema ``pgbroker``; this package
+applies the migrations and wraps the SQL API for Python callers (see
+pgbroker/README.md).
 """
 
 from pgbroker.broker import AsyncBroker, Broker, Keepalive, Notification
@@ -40,11 +41,14 @@ from pgbroker.primitives import (
     AsyncCounter,
     AsyncKV,
     AsyncLock,
+    AsyncRateLimiter,
     AsyncSemaphore,
     Counter,
     KVChange,
     KVEntry,
     Lock,
+    RateLimiter,
+    RateLimitResult,
     Semaphore,
     async_lock,
     lock,
@@ -82,12 +86,15 @@ __all__ = [
     "AsyncCounter",
     "AsyncKV",
     "AsyncLock",
+    "AsyncRateLimiter",
     "AsyncSemaphore",
     "Counter",
     "KV",
     "KVChange",
     "KVEntry",
     "Lock",
+    "RateLimiter",
+    "RateLimitResult",
     "Semaphore",
     "async_lock",
     "lock",

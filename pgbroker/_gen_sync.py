@@ -1,5 +1,5 @@
 """Write :mod:`pgbroker._broker_sync` (the threaded ``Broker``) from :mod:`pgbroker._broker_async` (``AsyncBroker``),
-and :mod:`pgbroker._primitives_sync` (``Lock``, ``Semaphore``, ``KV``, ``Counter``) from
+and :mod:`pgbroker._primitives_sync` (``Lock``, ``Semaphore``, ``KV``, ``Counter``, ``RateLimiter``) from
 :mod:`pgbroker._primitives_async`.
 
     python3 -m pgbroker._gen_sync            # rewrite pgbroker/_broker_sync.py and pgbroker/_primitives_sync.py
@@ -61,7 +61,7 @@ PRIMITIVES_HEADER = '''\
 
 # Applied before RENAMES to the primitives.
 PRIMITIVE_RENAMES: list[tuple[str, str]] = [
-    (r"\bAsync(Lock|Semaphore|KV|Counter)\b", r"\1"),
+    (r"\bAsync(Lock|Semaphore|KV|Counter|RateLimiter)\b", r"\1"),
     (r"\basync_lock\b", "lock"),
     (r"\b_primitives_async\b", "_primitives_sync"),
 ]

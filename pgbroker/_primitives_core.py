@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -63,6 +64,10 @@ KV_SCAN_SQL = (
 COUNTER_ADD_SQL = "SELECT pgbroker.counter_add(name => %(name)s, delta => %(delta)s)"
 COUNTER_GET_SQL = "SELECT pgbroker.counter_get(name => %(name)s)"
 COUNTER_SET_SQL = "SELECT pgbroker.counter_set(name => %(name)s, value => %(value)s, expected => %(expected)s)"
+RATE_LIMIT_SQL = (
+    "SELECT allowed, retry_after, remaining FROM pgbroker.rate_limit(name => %(name)s, rate => %(rate)s,"
+    " per => %(per)s, burst => %(burst)s, cost => %(cost)s)"
+)
 
 # A blocking Semaphore.acquire() retries at least this often (seconds): the
 # bound for a crashed holder's permit (which sends no NOTIFY) to reach a
@@ -85,6 +90,23 @@ class KVChange(NamedTuple):
     value: Any
     version: int
     deleted: bool = False
+
+
+@dataclass(frozen=True)
+class RateLimitResult:
+    """One decision of a rate limit; true when the call is allowed.
+
+    ``retry_after``: 0.0 when allowed, else the seconds until a call of the
+    same cost can be allowed (if nobody else calls meanwhile).
+    ``remaining``: how many calls of cost 1 would be allowed right after this one.
+    """
+
+    allowed: bool
+    retry_after: float
+    remaining: int
+
+    def __bool__(self) -> bool:
+        return self.allowed
 
 
 class _Unset:

@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import psycopg
 import psycopg.sql
@@ -16,7 +17,7 @@ from psycopg import pq
 from psycopg.abc import Query
 from psycopg.types.json import Jsonb
 
-from pgbroker._core import BACKEND_PID_SQL, _raise_translated, pooler_verdict
+from pgbroker._core import BACKEND_PID_SQL, _interval, _raise_translated, pooler_verdict
 from pgbroker._primitives_core import (
     _VERDICTS,
     COUNTER_ADD_SQL,
@@ -32,6 +33,7 @@ from pgbroker._primitives_core import (
     LOCK_ACQUIRE_SQL,
     LOCK_KEY_SQL,
     LOCK_RELEASE_SQL,
+    RATE_LIMIT_SQL,
     RAW_LOCK_SQL,
     RAW_UNLOCK_SQL,
     SEMAPHORE_CHANNEL_SQL,
@@ -41,6 +43,7 @@ from pgbroker._primitives_core import (
     UNSET,
     KVChange,
     KVEntry,
+    RateLimitResult,
     lock_keys,
     parse_kv_payload,
     pooler_error_text,
@@ -49,9 +52,12 @@ from pgbroker._primitives_core import (
 )
 from pgbroker.errors import NotAcquired, PgBrokerError, PoolerNotSupported
 
-__all__ = ["Counter", "KV", "Lock", "Semaphore", "lock"]
+__all__ = ["Counter", "KV", "Lock", "RateLimiter", "Semaphore", "lock"]
 
 Timeout = float | timedelta | None
+P = ParamSpec("P")
+R = TypeVar("R")
+Limited = Callable[P, R]
 
 
 def _in_transaction(conn: psycopg.Connection[Any]) -> bool:
@@ -518,3 +524,99 @@ class Counter:
         """Set the value; with ``expected``, only if the current value is that (absent counts as 0)."""
         params = {"name": self.name, "value": value, "expected": expected}
         return bool(_scalar(self.conn, COUNTER_SET_SQL, params))
+
+
+class RateLimiter:
+    """The rate limit ``name``: at most ``rate`` calls per ``per`` on average, ``burst`` (None: ``rate``) at once.
+
+    One limit for every process that uses the same name, decided by
+    ``pgbroker.rate_limit()`` on the database server's clock (GCRA), one
+    statement per decision with no session state: it works through any
+    pooler, transaction mode included.  ``per`` is in seconds or a timedelta.
+    Callers that pass different parameters for one name are each judged by
+    their own.
+
+    :meth:`allow` decides one call and returns a :class:`RateLimitResult`
+    (true when allowed).  :meth:`wait` sleeps until a call is allowed.  As a
+    decorator (``@limiter`` above a function) it waits before each call of
+    the function; as a context manager (``with limiter:``) it waits on
+    entry and gives the decision.  ``timeout`` is their default bound on
+    waiting (None: no bound).
+
+    A decision holds the name's row lock until its transaction ends: on a
+    connection in a transaction, commit soon, or other callers of the name
+    wait for it.  :meth:`wait` refuses to sleep inside a transaction.
+    """
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        name: str,
+        rate: int,
+        per: float | timedelta,
+        burst: int | None = None,
+        *,
+        timeout: Timeout = None,
+    ) -> None:
+        self.conn = conn
+        self.name = name
+        self.rate = rate
+        self.per = _interval(per, "per")
+        self.burst = burst
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.rate} per {self.per} burst={self.burst}>"
+
+    def allow(self, cost: int = 1) -> RateLimitResult:
+        """Decide one call of ``cost`` (1 to burst): allowed (it counts), or denied with ``retry_after`` seconds."""
+        params = {"name": self.name, "rate": self.rate, "per": self.per, "burst": self.burst, "cost": cost}
+        rows = _rows(self.conn, RATE_LIMIT_SQL, params)
+        allowed, retry_after, remaining = rows[0]
+        return RateLimitResult(bool(allowed), retry_after.total_seconds(), remaining)
+
+    def wait(self, cost: int = 1, timeout: Timeout = UNSET) -> RateLimitResult:
+        """Sleep until a call of ``cost`` is allowed, and return that decision.
+
+        Each denied try sleeps the ``retry_after`` the server gave, then tries
+        again (another caller may have taken the slot).  ``timeout`` (default:
+        the object's; None: no bound; 0: one try) raises
+        :class:`~pgbroker.errors.NotAcquired` as soon as a denied try's
+        ``retry_after`` would take it past the timeout, without sleeping first.
+        """
+        # (A statement of another thread on a shared autocommit connection shows as ACTIVE: not a transaction.)
+        if self.conn.info.transaction_status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR):
+            raise PgBrokerError(
+                "RateLimiter.wait() sleeps between tries, and inside a transaction each try keeps the name's row "
+                "locked, which blocks every other caller of the name: call it outside a transaction"
+            )
+        budget = seconds(self.timeout if timeout is UNSET else timeout)
+        deadline = None if budget is None else time.monotonic() + budget
+        while True:
+            result = self.allow(cost)
+            if result.allowed:
+                return result
+            if deadline is not None and time.monotonic() + result.retry_after > deadline:
+                raise NotAcquired(
+                    f"rate limit {self.name!r}: a call of cost {cost} is allowed in {result.retry_after:.6f} s,"
+                    f" after the timeout of {budget!r} s"
+                )
+            time.sleep(result.retry_after)
+
+    def __call__(self, func: Limited[P, R]) -> Limited[P, R]:
+        """Decorate ``func`` so that each call first waits (:meth:`wait`, with the object's timeout)."""
+
+        @functools.wraps(func)
+        def limited(*args: P.args, **kwargs: P.kwargs) -> R:
+            self.wait()
+            return func(*args, **kwargs)
+
+        return limited
+
+    def __enter__(self) -> RateLimitResult:
+        return self.wait()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        return None

@@ -136,7 +136,8 @@ class TableBusy(PgBrokerError):
 
 
 class NotAcquired(PgBrokerError, TimeoutError):
-    """A ``with`` block's lock or semaphore permit was not acquired within its ``timeout``."""
+    """A ``with`` block's lock or semaphore permit was not acquired within its ``timeout``, or a rate limiter's
+    ``wait()`` would outlast its ``timeout``."""
 
 
 class PoolerNotSupported(PgBrokerError):

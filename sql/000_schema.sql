@@ -7,14 +7,14 @@
 --   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
 --   550 sweeping earlier epochs    600 triggers, watch()
 --   650 named locks                660 semaphores       670 key-value store
---   680 counters                   700 views            750 console, health, metrics
---   900 privileges                 950 initech.objects (the optional reference table)
+--   680 counters                   690 rate limits      700 views
+--   750 console, health, metrics   900 privileges       950 initech.objects (the optional reference table)
 -- migrations/ holds alembic revisions generated from these files
 -- (migrations/build_baseline.py); a test proves both give the same catalog.
 
 CREATE SCHEMA IF NOT EXISTS pgbroker;
 COMMENT ON SCHEMA pgbroker IS
-    'pgbroker: singleton broker leases with fencing epochs, change fan-out to subscribed clients, named locks, semaphores, a key-value store and counters, in PL/pgSQL. See sql/README.md.';
+    'pgbroker: singleton broker leases with fencing epochs, change fan-out to subscribed clients, named locks, semaphores, a key-value store, counters and rate limits, in PL/pgSQL. See sql/README.md.';
 
 -- The version of the installed schema: the alembic revision that built it.
 -- It lets pgbroker (and you) recognise the schema whichever alembic

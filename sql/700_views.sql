@@ -242,6 +242,34 @@ COMMENT ON COLUMN pgbroker.counters.name IS 'Counter name.';
 COMMENT ON COLUMN pgbroker.counters.value IS 'Its value.';
 COMMENT ON COLUMN pgbroker.counters.updated_at IS 'When it last changed.';
 
+CREATE VIEW pgbroker.rate_limits AS
+SELECT s.name, s.rate, s.per, s.burst,
+       greatest(0, least(s.burst, pg_catalog.div(c.now + s.burst * c.t - s.tat, c.t)))::integer AS available,
+       CASE WHEN s.tat <= c.now THEN NULL
+            WHEN s.tat < 8000000000000000000000000000   -- 253,000 years after 1970; later ones overflow a timestamptz
+            THEN pg_catalog.to_timestamp(s.tat / 1000000000000000)
+            ELSE timestamptz 'infinity' END AS full_at,
+       s.allowed, s.denied, s.last_allowed, s.updated_at
+  FROM pgbroker.rate_limit_state s
+ CROSS JOIN LATERAL (SELECT EXTRACT(epoch FROM pg_catalog.clock_timestamp()) * 1000000000000000 AS now,
+                            -- pgbroker._rate_limit_interval(), written out: a view's readers would need
+                            -- EXECUTE on a function it calls, and internal functions are granted to nobody
+                            pg_catalog.div(EXTRACT(epoch FROM s.per) * 1000000000000000 + s.rate - 1,
+                                           s.rate::numeric) AS t) c
+ WHERE pgbroker.name_allowed('rate_limit', s.name);
+COMMENT ON VIEW pgbroker.rate_limits IS
+    'Rate limits (rate_limit()) with the parameters of their last call: how much is available now, when they are full again, and how many calls were allowed and denied. A crash forgets them all.';
+COMMENT ON COLUMN pgbroker.rate_limits.name IS 'Rate limit name.';
+COMMENT ON COLUMN pgbroker.rate_limits.rate IS 'RATE of the last call.';
+COMMENT ON COLUMN pgbroker.rate_limits.per IS 'PER of the last call.';
+COMMENT ON COLUMN pgbroker.rate_limits.burst IS 'BURST of the last call (RATE when it passed NULL).';
+COMMENT ON COLUMN pgbroker.rate_limits.available IS 'Calls of cost 1 that would be allowed now, with those parameters (0 to burst).';
+COMMENT ON COLUMN pgbroker.rate_limits.full_at IS 'When all of BURST is available again; NULL when it is now.';
+COMMENT ON COLUMN pgbroker.rate_limits.allowed IS 'Calls allowed since the name was first used (or since a crash).';
+COMMENT ON COLUMN pgbroker.rate_limits.denied IS 'Calls denied since then.';
+COMMENT ON COLUMN pgbroker.rate_limits.last_allowed IS 'Whether the last call was allowed.';
+COMMENT ON COLUMN pgbroker.rate_limits.updated_at IS 'When the last call was decided.';
+
 -- ---------------------------------------------------------------------------
 -- Authority per name (050_authority.sql).
 

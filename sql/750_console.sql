@@ -55,6 +55,8 @@ COMMENT ON COLUMN pgbroker.broker_overview.claimed_at IS 'When the current epoch
 -- or held by a role the name grants refuse, a lock the API only takes for a
 -- transaction held by a session outside one.  A session in the middle of a
 -- statement (a claim committing) is left out: what it holds is momentary.
+-- One whose claim sits in a transaction not yet committed is listed until it
+-- commits: its lease's lock is held, the record not yet visible.
 -- SECURITY DEFINER: pg_stat_activity shows other roles' sessions to it.
 
 CREATE FUNCTION pgbroker.lock_audit()
@@ -96,7 +98,10 @@ AS $$
                            END
                        WHEN c.lock_class = 'kv watchers' AND l.objid = 1 THEN NULL
                        WHEN c.lock_class = 'registry watchers' THEN NULL
-                       ELSE format('a %s lock, which pgbroker only takes inside a statement or transaction', c.lock_class)
+                       -- The rest pgbroker takes for a statement or a transaction only: held by
+                       -- a session outside any transaction, it is a session lock taken by hand.
+                       WHEN a.state = 'idle'
+                           THEN format('a %s lock, which pgbroker only takes inside a statement or transaction', c.lock_class)
                    END AS why
               FROM pg_catalog.pg_locks l
               JOIN (VALUES (1885823602, 'lease'), (1885823592, 'lease alive'), (1885823585, 'broker awake'),
@@ -123,7 +128,7 @@ COMMENT ON COLUMN pgbroker.unaccounted_locks.pid IS 'Backend pid of the session 
 COMMENT ON COLUMN pgbroker.unaccounted_locks.role IS 'Its login role.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.application IS 'Its application_name.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.session_state IS 'Its state (idle, idle in transaction...).';
-COMMENT ON COLUMN pgbroker.unaccounted_locks.lock_class IS 'Which of pgbroker''s locks: lease, lease alive, broker awake, broker drain, table watch, lock, semaphore permit, kv watchers, registry writes.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.lock_class IS 'Which of pgbroker''s locks: lease, lease alive, broker awake, broker drain, table watch, lock, semaphore permit, kv watchers, registry watchers, registry writes.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.key IS 'The second key of the advisory lock.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.mode IS 'ExclusiveLock or ShareLock.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.why IS 'Why no record accounts for it.';
@@ -230,9 +235,23 @@ SELECT v.metric, pg_catalog.jsonb_build_object('name', o.name) AS labels, v.valu
  WHERE v.value IS NOT NULL
 UNION ALL
 SELECT 'pgbroker_notify_queue_usage', '{}'::jsonb, pg_catalog.pg_notification_queue_usage(),
-       'Fraction of the NOTIFY queue in use (pg_notification_queue_usage()).';
+       'Fraction of the NOTIFY queue in use (pg_notification_queue_usage()).'
+UNION ALL
+-- Rate limits in aggregate (a label per name would be one series per user or
+-- key): pgbroker.rate_limits has the names.
+SELECT v.metric, '{}'::jsonb, v.value, v.help
+  FROM (SELECT count(*) AS keys, coalesce(sum(s.allowed), 0) AS allowed, coalesce(sum(s.denied), 0) AS denied
+          FROM pgbroker.rate_limit_state s) r
+ CROSS JOIN LATERAL (VALUES
+       ('pgbroker_rate_limit_keys', r.keys::double precision,
+        'Rate limit names in use (pgbroker.rate_limits).'),
+       ('pgbroker_rate_limit_allowed_total', r.allowed::double precision,
+        'Rate limit calls allowed, all names together (a crash resets it).'),
+       ('pgbroker_rate_limit_denied_total', r.denied::double precision,
+        'Rate limit calls denied, all names together (a crash resets it).')
+     ) AS v(metric, value, help);
 COMMENT ON VIEW pgbroker.metrics IS
-    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage.';
+    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage, rate limit names and calls allowed and denied.';
 COMMENT ON COLUMN pgbroker.metrics.metric IS 'Metric name (the same as postgres_exporter''s through pgbroker/queries.yaml).';
 COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name).';
 COMMENT ON COLUMN pgbroker.metrics.value IS 'The sample''s value.';

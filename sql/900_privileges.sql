@@ -7,8 +7,8 @@
 --   pgbroker_reader  SELECT on the views, broker_alive()
 --   pgbroker_broker  the lease, broker state, clients, subscriptions, delivery
 --   pgbroker_user    the coordination primitives: locks, semaphores, the
---                    key-value store, counters (workers that use them need
---                    no power over the lease, such as stale takeovers)
+--                    key-value store, counters, rate limits (workers that use
+--                    them need no power over the lease, such as stale takeovers)
 --   pgbroker_admin   all three, plus takeover => true, watch, unwatch, pruning
 -- Tables and internal (_-prefixed) functions are never granted: the API
 -- functions (SECURITY DEFINER, search_path pinned) and the views are the
@@ -40,6 +40,7 @@ GRANT SELECT ON
     pgbroker.semaphores,
     pgbroker.kv,
     pgbroker.counters,
+    pgbroker.rate_limits,
     pgbroker.sweep_backlog,
     pgbroker.name_grants,
     pgbroker.name_grants_version,
@@ -86,7 +87,6 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_sweep(text, integer),
     pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_broker;
-GRANT SELECT ON pgbroker.name_grants_version TO pgbroker_broker;
 
 -- Users: the coordination primitives.
 GRANT EXECUTE ON FUNCTION
@@ -105,10 +105,12 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.counter_add(text, bigint),
     pgbroker.counter_get(text),
     pgbroker.counter_set(text, bigint, bigint),
+    pgbroker.rate_limit(text, integer, interval, integer, integer),
     pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_user;
 -- ... and reads the views of the primitives (a prefix watch lists keys).
-GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters, pgbroker.name_grants_version
+GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters, pgbroker.rate_limits,
+    pgbroker.name_grants_version
 TO pgbroker_user;
 
 -- Admins: watching tables and housekeeping (takeover => true is checked by

@@ -11,14 +11,14 @@
 --   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
 --   550 sweeping earlier epochs    600 triggers, watch()
 --   650 named locks                660 semaphores       670 key-value store
---   680 counters                   700 views            750 console, health, metrics
---   900 privileges                 950 initech.objects (the optional reference table)
+--   680 counters                   690 rate limits      700 views
+--   750 console, health, metrics   900 privileges       950 initech.objects (the optional reference table)
 -- migrations/ holds alembic revisions generated from these files
 -- (migrations/build_baseline.py); a test proves both give the same catalog.
 
 CREATE SCHEMA IF NOT EXISTS pgbroker;
 COMMENT ON SCHEMA pgbroker IS
-    'pgbroker: singleton broker leases with fencing epochs, change fan-out to subscribed clients, named locks, semaphores, a key-value store and counters, in PL/pgSQL. See sql/README.md.';
+    'pgbroker: singleton broker leases with fencing epochs, change fan-out to subscribed clients, named locks, semaphores, a key-value store, counters and rate limits, in PL/pgSQL. See sql/README.md.';
 
 -- The version of the installed schema: the alembic revision that built it.
 -- It lets pgbroker (and you) recognise the schema whichever alembic
@@ -4344,6 +4344,171 @@ $$;
 COMMENT ON FUNCTION pgbroker.counter_set(text, bigint, bigint) IS
     'Set counter NAME to VALUE and return true; with EXPECTED only when its current value is EXPECTED (an absent counter is 0): false, changing nothing, otherwise.';
 
+-- ===== sql/690_rate_limit.sql =====
+
+-- pgbroker: rate limits (GCRA, judged on the database server's clock).
+--
+-- rate_limit(name, rate, per, burst, cost) allows at most RATE calls per PER
+-- on average and at most BURST (default RATE) at once, for every caller of
+-- NAME on every application server: one statement per decision, on the
+-- server's clock_timestamp(), so the application servers' clocks and their
+-- skew do not matter.
+--
+-- The algorithm is GCRA (the generic cell rate algorithm, as redis-cell and
+-- the ATM networks use it), which is a token bucket kept as one number: the
+-- theoretical arrival time TAT of a name.  With the emission interval
+-- T = PER / RATE, a call of COST at time NOW is allowed when
+--     max(TAT, NOW) + COST*T - NOW <= BURST*T,   i.e.   TAT <= NOW + (BURST - COST)*T
+-- and then sets TAT to max(TAT, NOW) + COST*T; a denied call leaves TAT as it
+-- was, so it costs later callers nothing.  Each allowed unit advances TAT by
+-- T and TAT never passes NOW + BURST*T, so the allowed units of any set of
+-- calls whose clock readings lie within an interval of length E number at
+-- most BURST + E/T = BURST + RATE*E/PER, whatever their order.
+--
+-- Exact arithmetic.  Times are numeric counts of femtoseconds (10^-15 s)
+-- since the epoch: clock_timestamp() has microseconds, so NOW is exact, and
+-- T is PER/RATE rounded *up* to a whole femtosecond (exact integer division),
+-- so rounding can only make the limit stricter, by at most one part in 10^9
+-- for 10^6 calls per second.  Any integer RATE, BURST and COST and any
+-- positive PER (a month counts 30 days, as extract(epoch) counts it) work,
+-- with nothing to overflow.
+--
+-- Concurrency.  The decision is one INSERT ... ON CONFLICT DO UPDATE: the
+-- row lock serialises the callers of a name and each decides on the latest
+-- TAT.  NOW is read before the statement, so a caller that waited for the
+-- row lock decides with a NOW older than the TAT it finds: that can only
+-- deny it more (TAT - NOW is larger), never allow more.  Calls of different
+-- names never wait for each other.  Parameters may differ between calls of
+-- one name (each call is judged by its own): TAT is a time, so what earlier
+-- calls used stays counted when RATE, PER or BURST change.
+--
+-- Crashes.  The state is an UNLOGGED table: no WAL on the callers' path, and
+-- standbys do not have it.  Crash recovery (and a failover) empties it, so
+-- every limit starts full again: the limiter fails open to a full bucket,
+-- allowing at most one extra BURST per name.  A clean restart keeps it.
+--
+-- Operators see the view pgbroker.rate_limits (700_views.sql) and the
+-- aggregate metrics of pgbroker.metrics (750_console.sql).
+
+CREATE UNLOGGED TABLE pgbroker.rate_limit_state (
+    name text PRIMARY KEY,
+    tat numeric NOT NULL,
+    rate integer NOT NULL,
+    per interval NOT NULL,
+    burst integer NOT NULL,
+    allowed bigint NOT NULL,
+    denied bigint NOT NULL,
+    last_allowed boolean NOT NULL,
+    updated_at timestamptz NOT NULL
+) WITH (fillfactor = 50);   -- room on each page for HOT updates: every decision rewrites its row
+COMMENT ON TABLE pgbroker.rate_limit_state IS
+    'GCRA state of each rate limit (UNLOGGED: emptied by a crash, so every limit starts full). Internal: use rate_limit() and the view pgbroker.rate_limits.';
+COMMENT ON COLUMN pgbroker.rate_limit_state.name IS 'The rate limit name, verbatim (1 to 200 bytes).';
+COMMENT ON COLUMN pgbroker.rate_limit_state.tat IS
+    'Theoretical arrival time, in femtoseconds since the epoch: a call of cost C is allowed when tat <= now + (burst - C) * per / rate.';
+COMMENT ON COLUMN pgbroker.rate_limit_state.rate IS 'RATE of the last call.';
+COMMENT ON COLUMN pgbroker.rate_limit_state.per IS 'PER of the last call.';
+COMMENT ON COLUMN pgbroker.rate_limit_state.burst IS 'BURST of the last call (RATE when it passed NULL).';
+COMMENT ON COLUMN pgbroker.rate_limit_state.allowed IS 'Calls allowed since the row was created (a crash resets it).';
+COMMENT ON COLUMN pgbroker.rate_limit_state.denied IS 'Calls denied since the row was created (a crash resets it).';
+COMMENT ON COLUMN pgbroker.rate_limit_state.last_allowed IS 'Whether the last call was allowed.';
+COMMENT ON COLUMN pgbroker.rate_limit_state.updated_at IS 'Server clock of the last call.';
+
+-- The emission interval PER/RATE in femtoseconds, rounded up.  No SET
+-- clause (it is inlined into its callers, which pin their search_path), every
+-- name qualified.
+CREATE FUNCTION pgbroker._rate_limit_interval(p_rate integer, p_per interval)
+RETURNS numeric
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT pg_catalog.div(EXTRACT(epoch FROM p_per) * 1000000000000000 + p_rate - 1, p_rate::numeric) $$;
+COMMENT ON FUNCTION pgbroker._rate_limit_interval(integer, interval) IS
+    'Internal: the GCRA emission interval PER / RATE in femtoseconds, rounded up (so that rounding never allows more).';
+
+-- A number of microseconds as an interval of hours, minutes and seconds
+-- only (no days, which timestamptz arithmetic would take as calendar days),
+-- saturating at 9 * 10^18 microseconds (285,000 years).
+CREATE FUNCTION pgbroker._rate_limit_duration(p_us numeric)
+RETURNS interval
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT pg_catalog.make_interval(secs => least(p_us, 9000000000000000000) / 1000000) $$;
+COMMENT ON FUNCTION pgbroker._rate_limit_duration(numeric) IS
+    'Internal: P_US microseconds as an interval without days (saturating at 9 * 10^18 microseconds).';
+
+-- Why a call's parameters are refused; NULL when they are valid.
+CREATE FUNCTION pgbroker._rate_limit_invalid(p_rate integer, p_per interval, p_burst integer, p_cost integer)
+RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE
+        WHEN p_rate IS NULL OR p_rate <= 0 THEN pg_catalog.format('rate must be a positive integer, got %s', coalesce(p_rate::text, 'NULL'))
+        WHEN p_per IS NULL OR EXTRACT(epoch FROM p_per) <= 0 THEN pg_catalog.format('per must be a positive interval, got %s', coalesce(p_per::text, 'NULL'))
+        WHEN p_burst <= 0 THEN pg_catalog.format('burst must be a positive integer or NULL (RATE), got %s', p_burst)
+        WHEN p_cost IS NULL OR p_cost <= 0 THEN pg_catalog.format('cost must be a positive integer, got %s', coalesce(p_cost::text, 'NULL'))
+        WHEN p_cost > coalesce(p_burst, p_rate) THEN
+            pg_catalog.format('cost %s is above the burst %s: such a call could never be allowed', p_cost, coalesce(p_burst, p_rate))
+    END
+$$;
+COMMENT ON FUNCTION pgbroker._rate_limit_invalid(integer, interval, integer, integer) IS
+    'Internal: why rate_limit() refuses these parameters (22023), or NULL when they are valid.';
+
+CREATE FUNCTION pgbroker.rate_limit(name text, rate integer, per interval, burst integer DEFAULT NULL,
+                                    cost integer DEFAULT 1)
+RETURNS TABLE (allowed boolean, retry_after interval, remaining integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := rate_limit.name;
+    v_burst integer := coalesce(rate_limit.burst, rate_limit.rate);
+    v_now numeric;      -- femtoseconds since the epoch
+    v_t numeric;        -- the emission interval, femtoseconds
+    v_limit numeric;    -- allowed when tat <= v_limit
+    v_tat numeric;
+    v_reason text;
+BEGIN
+    -- The hot path: checks inline; the helpers only word the error.
+    IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
+        PERFORM pgbroker._check_key(v_name, 'rate limit name');   -- 22023 with its message
+    END IF;
+    IF rate_limit.rate IS NULL OR rate_limit.rate <= 0 OR rate_limit.per IS NULL OR v_burst <= 0
+       OR rate_limit.cost IS NULL OR rate_limit.cost <= 0 OR rate_limit.cost > v_burst
+       OR EXTRACT(epoch FROM rate_limit.per) <= 0 THEN
+        v_reason := pgbroker._rate_limit_invalid(rate_limit.rate, rate_limit.per, rate_limit.burst, rate_limit.cost);
+        RAISE EXCEPTION '%', v_reason USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM pgbroker._name_check('rate_limit', v_name, true);
+    v_now := EXTRACT(epoch FROM clock_timestamp()) * 1000000000000000;
+    v_t := pgbroker._rate_limit_interval(rate_limit.rate, rate_limit.per);
+    v_limit := v_now + (v_burst - rate_limit.cost) * v_t;
+    INSERT INTO pgbroker.rate_limit_state AS s
+           (name, tat, rate, per, burst, allowed, denied, last_allowed, updated_at)
+    VALUES (v_name, v_now + rate_limit.cost * v_t, rate_limit.rate, rate_limit.per, v_burst, 1, 0, true,
+            clock_timestamp())
+    ON CONFLICT ON CONSTRAINT rate_limit_state_pkey DO UPDATE
+       SET tat = CASE WHEN s.tat <= v_limit THEN greatest(s.tat, v_now) + rate_limit.cost * v_t ELSE s.tat END,
+           allowed = s.allowed + (s.tat <= v_limit)::integer,
+           denied = s.denied + (s.tat > v_limit)::integer,
+           last_allowed = s.tat <= v_limit,
+           rate = excluded.rate, per = excluded.per, burst = excluded.burst, updated_at = excluded.updated_at
+    RETURNING s.tat, s.last_allowed INTO v_tat, rate_limit.allowed;
+    IF rate_limit.allowed THEN
+        rate_limit.retry_after := '0';
+    ELSE
+        -- Until tat <= now + (burst - cost) * T, rounded up to the microsecond.
+        rate_limit.retry_after := pgbroker._rate_limit_duration(ceil((v_tat - v_limit) / 1000000000));
+    END IF;
+    rate_limit.remaining := greatest(pg_catalog.div(v_limit + rate_limit.cost * v_t - v_tat, v_t), 0);
+    RETURN NEXT;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.rate_limit(text, integer, interval, integer, integer) IS
+$$Decide one call of COST (default 1) against the rate limit NAME (1 to 200 bytes): at most RATE per PER on average, and at most BURST (NULL: RATE) at once, for all callers of NAME together.
+Returns allowed; retry_after, '0' when allowed, else how long until a call of this COST can be allowed (nobody else calling meanwhile); remaining, how many calls of cost 1 would be allowed right after this one.
+GCRA on the server's clock, one statement per decision: concurrent callers are never allowed more than BURST + RATE * elapsed / PER, and a denied call uses nothing up. Works through any pooler; the name's row stays locked until the transaction ends, so call it in autocommit mode or last in a short transaction.
+22023 for a bad name, or a RATE, PER, BURST or COST that is NULL (BURST may be), zero or negative, or a COST above BURST; nothing is changed then.
+The state is UNLOGGED: a crash (or failover) forgets it and every limit starts full.$$;
+
 -- ===== sql/700_views.sql =====
 
 -- pgbroker: the views, the read-only interface for operators, frontends and
@@ -4590,6 +4755,34 @@ COMMENT ON COLUMN pgbroker.counters.name IS 'Counter name.';
 COMMENT ON COLUMN pgbroker.counters.value IS 'Its value.';
 COMMENT ON COLUMN pgbroker.counters.updated_at IS 'When it last changed.';
 
+CREATE VIEW pgbroker.rate_limits AS
+SELECT s.name, s.rate, s.per, s.burst,
+       greatest(0, least(s.burst, pg_catalog.div(c.now + s.burst * c.t - s.tat, c.t)))::integer AS available,
+       CASE WHEN s.tat <= c.now THEN NULL
+            WHEN s.tat < 8000000000000000000000000000   -- 253,000 years after 1970; later ones overflow a timestamptz
+            THEN pg_catalog.to_timestamp(s.tat / 1000000000000000)
+            ELSE timestamptz 'infinity' END AS full_at,
+       s.allowed, s.denied, s.last_allowed, s.updated_at
+  FROM pgbroker.rate_limit_state s
+ CROSS JOIN LATERAL (SELECT EXTRACT(epoch FROM pg_catalog.clock_timestamp()) * 1000000000000000 AS now,
+                            -- pgbroker._rate_limit_interval(), written out: a view's readers would need
+                            -- EXECUTE on a function it calls, and internal functions are granted to nobody
+                            pg_catalog.div(EXTRACT(epoch FROM s.per) * 1000000000000000 + s.rate - 1,
+                                           s.rate::numeric) AS t) c
+ WHERE pgbroker.name_allowed('rate_limit', s.name);
+COMMENT ON VIEW pgbroker.rate_limits IS
+    'Rate limits (rate_limit()) with the parameters of their last call: how much is available now, when they are full again, and how many calls were allowed and denied. A crash forgets them all.';
+COMMENT ON COLUMN pgbroker.rate_limits.name IS 'Rate limit name.';
+COMMENT ON COLUMN pgbroker.rate_limits.rate IS 'RATE of the last call.';
+COMMENT ON COLUMN pgbroker.rate_limits.per IS 'PER of the last call.';
+COMMENT ON COLUMN pgbroker.rate_limits.burst IS 'BURST of the last call (RATE when it passed NULL).';
+COMMENT ON COLUMN pgbroker.rate_limits.available IS 'Calls of cost 1 that would be allowed now, with those parameters (0 to burst).';
+COMMENT ON COLUMN pgbroker.rate_limits.full_at IS 'When all of BURST is available again; NULL when it is now.';
+COMMENT ON COLUMN pgbroker.rate_limits.allowed IS 'Calls allowed since the name was first used (or since a crash).';
+COMMENT ON COLUMN pgbroker.rate_limits.denied IS 'Calls denied since then.';
+COMMENT ON COLUMN pgbroker.rate_limits.last_allowed IS 'Whether the last call was allowed.';
+COMMENT ON COLUMN pgbroker.rate_limits.updated_at IS 'When the last call was decided.';
+
 -- ---------------------------------------------------------------------------
 -- Authority per name (050_authority.sql).
 
@@ -4669,6 +4862,8 @@ COMMENT ON COLUMN pgbroker.broker_overview.claimed_at IS 'When the current epoch
 -- or held by a role the name grants refuse, a lock the API only takes for a
 -- transaction held by a session outside one.  A session in the middle of a
 -- statement (a claim committing) is left out: what it holds is momentary.
+-- One whose claim sits in a transaction not yet committed is listed until it
+-- commits: its lease's lock is held, the record not yet visible.
 -- SECURITY DEFINER: pg_stat_activity shows other roles' sessions to it.
 
 CREATE FUNCTION pgbroker.lock_audit()
@@ -4710,7 +4905,10 @@ AS $$
                            END
                        WHEN c.lock_class = 'kv watchers' AND l.objid = 1 THEN NULL
                        WHEN c.lock_class = 'registry watchers' THEN NULL
-                       ELSE format('a %s lock, which pgbroker only takes inside a statement or transaction', c.lock_class)
+                       -- The rest pgbroker takes for a statement or a transaction only: held by
+                       -- a session outside any transaction, it is a session lock taken by hand.
+                       WHEN a.state = 'idle'
+                           THEN format('a %s lock, which pgbroker only takes inside a statement or transaction', c.lock_class)
                    END AS why
               FROM pg_catalog.pg_locks l
               JOIN (VALUES (1885823602, 'lease'), (1885823592, 'lease alive'), (1885823585, 'broker awake'),
@@ -4737,7 +4935,7 @@ COMMENT ON COLUMN pgbroker.unaccounted_locks.pid IS 'Backend pid of the session 
 COMMENT ON COLUMN pgbroker.unaccounted_locks.role IS 'Its login role.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.application IS 'Its application_name.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.session_state IS 'Its state (idle, idle in transaction...).';
-COMMENT ON COLUMN pgbroker.unaccounted_locks.lock_class IS 'Which of pgbroker''s locks: lease, lease alive, broker awake, broker drain, table watch, lock, semaphore permit, kv watchers, registry writes.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.lock_class IS 'Which of pgbroker''s locks: lease, lease alive, broker awake, broker drain, table watch, lock, semaphore permit, kv watchers, registry watchers, registry writes.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.key IS 'The second key of the advisory lock.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.mode IS 'ExclusiveLock or ShareLock.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.why IS 'Why no record accounts for it.';
@@ -4844,9 +5042,23 @@ SELECT v.metric, pg_catalog.jsonb_build_object('name', o.name) AS labels, v.valu
  WHERE v.value IS NOT NULL
 UNION ALL
 SELECT 'pgbroker_notify_queue_usage', '{}'::jsonb, pg_catalog.pg_notification_queue_usage(),
-       'Fraction of the NOTIFY queue in use (pg_notification_queue_usage()).';
+       'Fraction of the NOTIFY queue in use (pg_notification_queue_usage()).'
+UNION ALL
+-- Rate limits in aggregate (a label per name would be one series per user or
+-- key): pgbroker.rate_limits has the names.
+SELECT v.metric, '{}'::jsonb, v.value, v.help
+  FROM (SELECT count(*) AS keys, coalesce(sum(s.allowed), 0) AS allowed, coalesce(sum(s.denied), 0) AS denied
+          FROM pgbroker.rate_limit_state s) r
+ CROSS JOIN LATERAL (VALUES
+       ('pgbroker_rate_limit_keys', r.keys::double precision,
+        'Rate limit names in use (pgbroker.rate_limits).'),
+       ('pgbroker_rate_limit_allowed_total', r.allowed::double precision,
+        'Rate limit calls allowed, all names together (a crash resets it).'),
+       ('pgbroker_rate_limit_denied_total', r.denied::double precision,
+        'Rate limit calls denied, all names together (a crash resets it).')
+     ) AS v(metric, value, help);
 COMMENT ON VIEW pgbroker.metrics IS
-    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage.';
+    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage, rate limit names and calls allowed and denied.';
 COMMENT ON COLUMN pgbroker.metrics.metric IS 'Metric name (the same as postgres_exporter''s through pgbroker/queries.yaml).';
 COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name).';
 COMMENT ON COLUMN pgbroker.metrics.value IS 'The sample''s value.';
@@ -4863,8 +5075,8 @@ COMMENT ON COLUMN pgbroker.metrics.help IS 'HELP text of the metric.';
 --   pgbroker_reader  SELECT on the views, broker_alive()
 --   pgbroker_broker  the lease, broker state, clients, subscriptions, delivery
 --   pgbroker_user    the coordination primitives: locks, semaphores, the
---                    key-value store, counters (workers that use them need
---                    no power over the lease, such as stale takeovers)
+--                    key-value store, counters, rate limits (workers that use
+--                    them need no power over the lease, such as stale takeovers)
 --   pgbroker_admin   all three, plus takeover => true, watch, unwatch, pruning
 -- Tables and internal (_-prefixed) functions are never granted: the API
 -- functions (SECURITY DEFINER, search_path pinned) and the views are the
@@ -4896,6 +5108,7 @@ GRANT SELECT ON
     pgbroker.semaphores,
     pgbroker.kv,
     pgbroker.counters,
+    pgbroker.rate_limits,
     pgbroker.sweep_backlog,
     pgbroker.name_grants,
     pgbroker.name_grants_version,
@@ -4942,7 +5155,6 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_sweep(text, integer),
     pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_broker;
-GRANT SELECT ON pgbroker.name_grants_version TO pgbroker_broker;
 
 -- Users: the coordination primitives.
 GRANT EXECUTE ON FUNCTION
@@ -4961,10 +5173,12 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.counter_add(text, bigint),
     pgbroker.counter_get(text),
     pgbroker.counter_set(text, bigint, bigint),
+    pgbroker.rate_limit(text, integer, interval, integer, integer),
     pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_user;
 -- ... and reads the views of the primitives (a prefix watch lists keys).
-GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters, pgbroker.name_grants_version
+GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters, pgbroker.rate_limits,
+    pgbroker.name_grants_version
 TO pgbroker_user;
 
 -- Admins: watching tables and housekeeping (takeover => true is checked by

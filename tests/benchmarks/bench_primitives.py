@@ -1,7 +1,9 @@
 """Benchmark of the coordination primitives against raw SQL floors and peers (run on demand).
 
-    python tests/benchmarks/bench_primitives.py            # about 3 minutes
+    python tests/benchmarks/bench_primitives.py            # about 6 minutes
     python tests/benchmarks/bench_primitives.py --quick    # shorter runs, for a smoke test
+    python tests/benchmarks/bench_primitives.py --only ratelimit   # one part (repeatable): locks, semaphores,
+                                                                   # counters, peers, breakdown, ratelimit
     python -m pytest tests/benchmarks/bench_primitives.py -s -p no:cacheprovider
 
 Starts its own throwaway PostgreSQL with fsync, synchronous_commit and
@@ -37,6 +39,16 @@ alternately with it (ratio = pgbroker's throughput / the floor's):
 5. Where the lock cycle's time goes: the same cycle as bare PL/pgSQL functions
    around the advisory lock, with SECURITY DEFINER + SET search_path, and with the
    name lookup, 1 process.
+6. Rate limits (``--only ratelimit`` runs this part alone, about a minute):
+   ``pgbroker.rate_limit(name, 1000, '1 s')`` decisions/s on one name (mostly
+   denied: the processes ask for far more than 1000/s) and on 1,000 names (each
+   under its limit), 1 and 8 processes, against the raw floor: one prepared
+   ``INSERT ... ON CONFLICT DO UPDATE ... RETURNING`` on an UNLOGGED table doing
+   the same GCRA arithmetic (``RL_FLOOR``).  Target: at least 0.8x.  Also the
+   Python ``RateLimiter.allow()``, and peers on one name at 1000/s, each against
+   the same floor: pyrate-limiter's PostgresBucket, rate-sync's PostgreSQL
+   engine *re-created* from its source (rate-sync needs Python 3.12; see
+   ``kind_ratesync``), and limits' moving window on a local redis-server.
 
 Every figure also gives the CPU per operation: the client processes' CPU time
 plus the server's (the postmaster and all its children, from /proc), divided by
@@ -49,6 +61,7 @@ import argparse
 import multiprocessing
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -57,8 +70,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +89,7 @@ DURABLE = "-c fsync=on -c synchronous_commit=on -c full_page_writes=on -c checkp
 LOCK_TARGET = 0.9
 SEMAPHORE_TARGET = 0.7
 COUNTER_TARGET = 0.8
+RATE_LIMIT_TARGET = 0.8
 WAKE_P99_TARGET_MS = 5.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -83,10 +99,11 @@ class Settings:
     seconds: float = 2.0  # per round and variant
     rounds: int = 2  # alternating rounds per variant
     wakeups: int = 40  # release -> waiter samples per variant
+    rl_seconds: float = 1.0  # per round and variant, rate limits (part 6)
 
     @classmethod
     def quick(cls) -> Settings:
-        return cls(seconds=0.7, rounds=1, wakeups=10)
+        return cls(seconds=0.7, rounds=1, wakeups=10, rl_seconds=0.5)
 
 
 @dataclass
@@ -401,6 +418,176 @@ def kind_redis_floor(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
     return cycle, client.close
 
 
+# Rate limits: every variant decides calls of 1 against 1000 per second (burst 1000) on one name, or on
+# 1,000 names taken in turn (each process starting at its own offset).
+RL_RATE = 1000
+RL_PER = timedelta(seconds=1)
+RL_KEYS = 1000
+RL_SQL = "SELECT allowed, retry_after, remaining FROM pgbroker.rate_limit(%s, %s, %s, %s, %s)"
+# The floor: the least a correct rate limiter on the server's clock does, the same GCRA in femtoseconds with
+# the same outputs, as one prepared statement on an UNLOGGED table with the same fill factor.  What it skips:
+# the PL/pgSQL call, SECURITY DEFINER with its pinned search_path, the checks of the name and parameters.
+RL_FLOOR = """
+INSERT INTO bench_rl AS s (name, tat, lim, t, allowed, denied, last_allowed, updated_at)
+SELECT %(name)s, v.now + %(cost)s * v.t, v.now + (coalesce(%(burst)s, %(rate)s) - %(cost)s) * v.t, v.t, 1, 0, true,
+       clock_timestamp()
+  FROM (SELECT EXTRACT(epoch FROM clock_timestamp()) * 1000000000000000 AS now,
+               div(EXTRACT(epoch FROM %(per)s::interval) * 1000000000000000 + %(rate)s - 1, %(rate)s::numeric) AS t) v
+ON CONFLICT (name) DO UPDATE
+   SET tat = CASE WHEN s.tat <= excluded.lim THEN greatest(s.tat, excluded.tat - %(cost)s * excluded.t)
+                                                  + %(cost)s * excluded.t
+                  ELSE s.tat END,
+       allowed = s.allowed + (s.tat <= excluded.lim)::integer,
+       denied = s.denied + (s.tat > excluded.lim)::integer,
+       last_allowed = s.tat <= excluded.lim,
+       lim = excluded.lim, t = excluded.t, updated_at = excluded.updated_at
+RETURNING s.last_allowed,
+          CASE WHEN s.last_allowed THEN interval '0'
+               ELSE make_interval(secs => ceil((s.tat - s.lim) / 1000000000) / 1000000) END,
+          greatest(div(s.lim + %(cost)s * s.t - s.tat, s.t), 0)::integer
+"""
+
+
+def _rl_names(idx: int, many: bool) -> Callable[[], str]:
+    """The name of each next call: always 'rl', or 1,000 names in turn from an offset per process."""
+    if not many:
+        return lambda: "rl"
+    state = [idx * (RL_KEYS // 8)]
+
+    def name() -> str:
+        state[0] = (state[0] + 1) % RL_KEYS
+        return f"rl{state[0]}"
+
+    return name
+
+
+def _rl(url: str, idx: int, many: bool) -> tuple[Cycle, Callable[[], None]]:
+    conn, name = _conn(url), _rl_names(idx, many)
+    return (lambda: conn.execute(RL_SQL, (name(), RL_RATE, RL_PER, None, 1), prepare=True).fetchone()), conn.close
+
+
+def _rl_floor(url: str, idx: int, many: bool) -> tuple[Cycle, Callable[[], None]]:
+    conn, name = _conn(url), _rl_names(idx, many)
+
+    def cycle() -> None:
+        params = {"name": name(), "rate": RL_RATE, "per": RL_PER, "burst": None, "cost": 1}
+        conn.execute(RL_FLOOR, params, prepare=True).fetchone()
+
+    return cycle, conn.close
+
+
+def kind_rl(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    return _rl(url, idx, False)
+
+
+def kind_rl_keys(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    return _rl(url, idx, True)
+
+
+def kind_rl_floor(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    return _rl_floor(url, idx, False)
+
+
+def kind_rl_floor_keys(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    return _rl_floor(url, idx, True)
+
+
+def kind_rl_py(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    from pgbroker.primitives import RateLimiter
+
+    conn = _conn(url)
+    limiter = RateLimiter(conn, "rl", RL_RATE, RL_PER)
+    return limiter.allow, conn.close
+
+
+def kind_rl_bare(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    """rate_limit()'s body as a plain PL/pgSQL function: no SECURITY DEFINER, no SET search_path."""
+    conn = _conn(url)
+    sql = "SELECT allowed, retry_after, remaining FROM bench_rl_bare(%s, %s, %s, %s, %s)"
+    return (lambda: conn.execute(sql, ("rl", RL_RATE, RL_PER, None, 1), prepare=True).fetchone()), conn.close
+
+
+def kind_pyrate(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    """pyrate-limiter's PostgresBucket: per decision a clock query, then LOCK TABLE ... NOWAIT, a windowed count
+    and an INSERT per allowed call, in one transaction."""
+    from psycopg_pool import ConnectionPool
+    from pyrate_limiter import Duration, Limiter, PostgresBucket, Rate
+
+    pool = ConnectionPool(url, min_size=1, max_size=1, open=True)
+    limiter = Limiter(PostgresBucket(pool, "bench_rl", [Rate(RL_RATE, Duration.SECOND)]))
+
+    def close() -> None:
+        limiter.close()
+        pool.close()
+
+    return (lambda: limiter.try_acquire("rl", blocking=False)), close
+
+
+RATESYNC_TABLE = """
+CREATE TABLE IF NOT EXISTS rate_limiter_state (
+    group_id VARCHAR(255) PRIMARY KEY,
+    last_acquisition_at TIMESTAMPTZ NOT NULL,
+    concurrent_count INTEGER NOT NULL DEFAULT 0,
+    version BIGINT NOT NULL DEFAULT 1
+);
+CREATE INDEX IF NOT EXISTS idx_rate_limiter_state_group ON rate_limiter_state(group_id);
+"""
+
+
+def kind_ratesync(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    """rate-sync's PostgreSQL engine, re-created (rate-sync 0.4 needs Python 3.12; this machine has 3.11).
+
+    Re-created from zyc/rate-sync, src/ratesync/engines/postgres.py
+    (``PostgresRateLimiter._try_acquire_token_bucket`` with timeout 0, its default 10 ms ``timing_margin_ms``,
+    its table as ``_create_table_if_not_exists`` makes it), with psycopg in autocommit instead of an asyncpg
+    pool: ``SELECT ... FOR UPDATE NOWAIT`` of the group's row, then, when the client's clock says at least
+    1/rate - 10 ms passed since the last acquisition (always, at 1000/s), an ``UPDATE ... WHERE version = $4``.
+    A row locked by another caller (55P03, which rate-sync lets through as an exception) counts as a denied call.
+    """
+    conn = _conn(url)
+    interval, margin = 1.0 / RL_RATE, 0.010
+
+    def cycle() -> None:
+        now_ts = time.time()
+        try:
+            row = conn.execute(
+                "SELECT last_acquisition_at, concurrent_count, version FROM rate_limiter_state"
+                " WHERE group_id = %s FOR UPDATE NOWAIT",
+                ("rl",),
+                prepare=True,
+            ).fetchone()
+        except psycopg.errors.LockNotAvailable:
+            return
+        if row is None:
+            with suppress(psycopg.errors.UniqueViolation):
+                conn.execute(
+                    "INSERT INTO rate_limiter_state (group_id, last_acquisition_at, concurrent_count, version)"
+                    " VALUES (%s, to_timestamp(%s), 0, 1)",
+                    ("rl", now_ts),
+                )
+            return
+        if now_ts - row[0].timestamp() >= interval - margin:
+            conn.execute(
+                "UPDATE rate_limiter_state SET last_acquisition_at = to_timestamp(%s), concurrent_count = %s,"
+                " version = version + 1 WHERE group_id = %s AND version = %s",
+                (now_ts, row[1], "rl", row[2]),
+                prepare=True,
+            )
+
+    return cycle, conn.close
+
+
+def kind_limits_redis(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    """limits' moving window (exact, a Lua script per hit) on redis: 1000 per second on one key."""
+    from limits import RateLimitItemPerSecond
+    from limits.storage import RedisStorage
+    from limits.strategies import MovingWindowRateLimiter
+
+    limiter = MovingWindowRateLimiter(RedisStorage(url))
+    item = RateLimitItemPerSecond(RL_RATE)
+    return (lambda: limiter.hit(item, "rl")), lambda: None
+
+
 KINDS: dict[str, Callable[[str, int], tuple[Cycle, Callable[[], None]]]] = {
     name[len("kind_") :]: fn for name, fn in globals().items() if name.startswith("kind_")
 }
@@ -493,15 +680,26 @@ def measure(kind: str, url: str, procs: int, seconds: float, server_cpu: ServerC
     return Rate(ops, wall, sum(r[2] for r in results) + (s1 - s0))
 
 
-def alternate(kinds: Sequence[str], url: str, procs: int, cfg: Settings, server_cpu: ServerCpu) -> list[Rate]:
-    """Rounds alternating the order of the kinds; the summed rate of each."""
+def alternate(
+    kinds: Sequence[str],
+    url: str | Sequence[str],
+    procs: int,
+    cfg: Settings,
+    server_cpu: ServerCpu,
+    seconds: float | None = None,
+) -> list[Rate]:
+    """Rounds alternating the order of the kinds; the summed rate of each.
+
+    ``url``: one for every kind, or one per kind; ``seconds``: per round (default ``cfg.seconds``).
+    """
+    urls = [url] * len(kinds) if isinstance(url, str) else list(url)
     totals = [Rate(0, 0.0, 0.0) for _ in kinds]
     for r in range(cfg.rounds):
         order = list(range(len(kinds)))
         if r % 2:
             order.reverse()
         for i in order:
-            totals[i] = totals[i] + measure(kinds[i], url, procs, cfg.seconds, server_cpu)
+            totals[i] = totals[i] + measure(kinds[i], urls[i], procs, seconds or cfg.seconds, server_cpu)
     return totals
 
 
@@ -679,27 +877,25 @@ def bench_peers(url: str, cfg: Settings, server_cpu: ServerCpu, results: Results
             rate, floor = alternate([kind, "lock_floor"], peer_url, procs, cfg, server_cpu)
             results.compare(f"peer {label}, lock cycles, {procs} proc", rate, floor, None, f"{kind}_{procs}")
     missing = _peer_available("redis_lock") or _peer_available("redis")
-    redis_server = shutil.which("redis-server")
-    if missing or redis_server is None:
+    redis = shutil.which("redis-server")
+    if missing or redis is None:
         reason = missing or "no redis-server on PATH (Debian: apt-get install redis-server)"
         results.notes.append(f"python-redis-lock skipped: {reason}")
         return
+    with redis_server(redis, server_cpu) as redis_url:
+        for procs in (1, 8):
+            rate, floor = alternate(["redis_lock", "lock_floor"], [redis_url, url], procs, cfg, server_cpu)
+            results.compare(f"peer python-redis-lock, lock cycles, {procs} proc", rate, floor, None, f"redis_{procs}")
+        results.notes.append("redis-server without persistence (--save '' --appendonly no)")
+
+
+@contextmanager
+def redis_server(executable: str, server_cpu: ServerCpu) -> Iterator[str]:
+    """A local redis-server without persistence on a free port, its CPU counted as the server's; yields its URL."""
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="pgbr-redis-") as tmp:
         proc = subprocess.Popen(
-            [
-                redis_server,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                tmp,
-            ],
+            [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -713,15 +909,7 @@ def bench_peers(url: str, cfg: Settings, server_cpu: ServerCpu, results: Results
                     assert time.monotonic() < deadline, "redis-server did not start"
                     time.sleep(0.05)
             server_cpu.pids.append(proc.pid)
-            redis_url = f"redis://127.0.0.1:{port}/0"
-            for procs in (1, 8):
-                rate = alternate(["redis_lock"], redis_url, procs, cfg, server_cpu)[0]
-                # The floor alternates with the peer's rounds only roughly here (it needs the PostgreSQL URL).
-                floor = alternate(["lock_floor"], url, procs, cfg, server_cpu)[0]
-                results.compare(
-                    f"peer python-redis-lock, lock cycles, {procs} proc", rate, floor, None, f"redis_{procs}"
-                )
-            results.notes.append("redis-server without persistence (--save '' --appendonly no)")
+            yield f"redis://127.0.0.1:{port}/0"
         finally:
             if proc.pid in server_cpu.pids:
                 server_cpu.pids.remove(proc.pid)
@@ -729,7 +917,121 @@ def bench_peers(url: str, cfg: Settings, server_cpu: ServerCpu, results: Results
             proc.wait(10)
 
 
-def run(cfg: Settings) -> Results:
+RATE_LIMIT_SETUP = """
+CREATE UNLOGGED TABLE bench_rl (name text PRIMARY KEY, tat numeric NOT NULL, lim numeric NOT NULL, t numeric NOT NULL,
+                                allowed bigint NOT NULL, denied bigint NOT NULL, last_allowed boolean NOT NULL,
+                                updated_at timestamptz NOT NULL) WITH (fillfactor = 50);
+"""
+
+
+def setup_rate_limits(url: str) -> None:
+    """The floor's table, rate_limit()'s body as a plain function (for the breakdown), rate-sync's table, and every
+    name used once (by pgbroker and by the floor), so that the rounds measure updates, not first inserts."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(RATE_LIMIT_SETUP)
+        conn.execute(RATESYNC_TABLE)
+        definition = conn.execute("SELECT pg_get_functiondef('pgbroker.rate_limit'::regproc)").fetchone()[0]
+        lines = [
+            line for line in definition.splitlines() if line.strip() not in ("SECURITY DEFINER",)
+            and not line.strip().startswith("SET search_path")
+        ]  # fmt: skip
+        bare = "\n".join(lines).replace("FUNCTION pgbroker.rate_limit(", "FUNCTION public.bench_rl_bare(", 1)
+        conn.execute(re.sub(r"\brate_limit\.", "bench_rl_bare.", bare))
+        for many in (False, True):
+            names = _rl_names(0, many)
+            for _ in range(RL_KEYS if many else 1):
+                name = names()
+                conn.execute(RL_SQL, (name, RL_RATE, RL_PER, None, 1))
+                conn.execute(RL_FLOOR, {"name": name, "rate": RL_RATE, "per": RL_PER, "burst": None, "cost": 1})
+
+
+def bench_rate_limits(url: str, cfg: Settings, server_cpu: ServerCpu, results: Results) -> None:
+    """Part 6: rate_limit() against its floor, on one name and on 1,000; the Python object; the peers."""
+    seconds = cfg.rl_seconds
+    setup_rate_limits(url)
+    ours: dict[int, Rate] = {}
+    for procs in (1, 8):
+        sql, py, floor = alternate(["rl", "rl_py", "rl_floor"], url, procs, cfg, server_cpu, seconds)
+        ours[procs] = sql
+        results.compare(f"rate_limit, 1 name, {procs} proc", sql, floor, RATE_LIMIT_TARGET, f"rl_{procs}")
+        results.compare(
+            f"rate_limit, Python RateLimiter.allow(), 1 name, {procs} proc", py, floor, None, f"rl_py_{procs}"
+        )
+    for procs in (1, 8):
+        sql, floor = alternate(["rl_keys", "rl_floor_keys"], url, procs, cfg, server_cpu, seconds)
+        results.compare(f"rate_limit, 1,000 names, {procs} proc", sql, floor, RATE_LIMIT_TARGET, f"rl_keys_{procs}")
+    bare, floor = alternate(["rl_bare", "rl_floor"], url, 1, cfg, server_cpu, seconds)
+    results.compare(
+        "breakdown: rate_limit() without SECURITY DEFINER and SET search_path, 1 name, 1 proc", bare, floor, None,
+        "breakdown_rl_bare",
+    )  # fmt: skip
+
+    def peer(label: str, kind: str, procs: int, rate: Rate, floor: Rate) -> None:
+        """A peer's row: its decisions against the floor; the target: below pgbroker's ratio to its own floor."""
+        ratio = rate.per_second / floor.per_second
+        results.figures[f"{kind}_{procs}"] = ratio
+        mine = results.figures[f"rl_{procs}"]
+        slower = ratio < mine
+        if not slower:
+            results.missed.append(f"faster than {label}, {procs} proc")
+        results.add(
+            f"peer {label}, rate limit decisions, 1 name, {procs} proc",
+            rate.cell(),
+            floor.cell(),
+            f"{ratio:.2f}x",
+            f"pgbroker {mine:.2f}x, faster {'ok' if slower else 'MISSED'}",
+        )
+
+    for label, module, kind in (
+        ("pyrate-limiter PostgresBucket", "pyrate_limiter", "pyrate"),
+        ("rate-sync PostgreSQL engine (re-created)", None, "ratesync"),
+    ):
+        missing = _peer_available(module) or _peer_available("psycopg_pool") if module else None
+        if missing:
+            results.notes.append(f"{label} skipped: {missing}")
+            print(f"  {label} skipped: {missing}", flush=True)
+            continue
+        for procs in (1, 8):
+            rate, floor = alternate([kind, "rl_floor"], url, procs, cfg, server_cpu, seconds)
+            peer(label, kind, procs, rate, floor)
+    results.notes.append(
+        "rate-sync (0.4.2, Python >= 3.12) is not installable on this Python: its PostgreSQL engine's try_acquire is"
+        " re-created from its source (zyc/rate-sync, src/ratesync/engines/postgres.py) on psycopg; its default"
+        " 10 ms timing margin lets every call at 1000/s pass, so each decision is a SELECT ... FOR UPDATE NOWAIT and"
+        " an UPDATE, with the client's clock"
+    )
+    missing = _peer_available("limits") or _peer_available("redis")
+    redis = shutil.which("redis-server")
+    if missing or redis is None:
+        reason = missing or "no redis-server on PATH (Debian: apt-get install redis-server)"
+        results.notes.append(f"limits on redis skipped: {reason}")
+        print(f"  limits on redis skipped: {reason}", flush=True)
+        return
+    with redis_server(redis, server_cpu) as redis_url:
+        for procs in (1, 8):
+            rate, floor = alternate(["limits_redis", "rl_floor"], [redis_url, url], procs, cfg, server_cpu, seconds)
+            ratio = rate.per_second / floor.per_second
+            results.figures[f"limits_redis_{procs}"] = ratio
+            results.add(
+                f"peer limits moving window on redis, rate limit decisions, 1 name, {procs} proc",
+                rate.cell(),
+                floor.cell(),
+                f"{ratio:.2f}x",
+                f"pgbroker {results.figures[f'rl_{procs}']:.2f}x",
+            )
+
+
+PARTS = ("locks", "semaphores", "counters", "peers", "breakdown", "ratelimit")
+
+
+def run(cfg: Settings, only: Sequence[str] = ()) -> Results:
+    """Every part of the benchmark, or those named in ``only`` (see PARTS)."""
+    unknown = set(only) - set(PARTS)
+    assert not unknown, f"unknown parts {sorted(unknown)}: choose from {PARTS}"
+
+    def want(part: str) -> bool:
+        return not only or part in only
+
     results = Results()
     started = time.monotonic()
     with EmbeddedPostgres(postgres_options=DURABLE) as server:
@@ -757,70 +1059,82 @@ def run(cfg: Settings) -> Results:
         )
         assert settings["fsync"] == "on" and settings["synchronous_commit"] == "on", settings
 
-        for procs in (1, 8):
-            py, ours, floor = alternate(["py_lock", "lock", "lock_floor"], url, procs, cfg, server_cpu)
+        if want("locks"):
+            for procs in (1, 8):
+                py, ours, floor = alternate(["py_lock", "lock", "lock_floor"], url, procs, cfg, server_cpu)
+                results.compare(
+                    f"lock acquire+release, Python Lock, {procs} proc", py, floor, LOCK_TARGET, f"py_lock_{procs}"
+                )
+                results.compare(
+                    f"lock acquire+release, SQL functions, {procs} proc", ours, floor, LOCK_TARGET, f"lock_{procs}"
+                )
+
+        if want("semaphores"):
+            for kind, label in (("sem_wait", "wait NULL"), ("sem_try", "retry '0'"), ("sem_listen", "LISTEN+retry")):
+                ours, floor = alternate([kind, "sem_floor"], url, 8, cfg, server_cpu)
+                results.compare(f"semaphore limit 4, 8 proc, {label}", ours, floor, SEMAPHORE_TARGET, kind)
+
+            for variant in ("sql", "listen"):
+                samples = wake_latencies(url, variant, cfg.wakeups)
+                floor_samples = wake_latencies(url, "floor", cfg.wakeups)
+                p50, p99 = _percentile(samples, 0.5), _percentile(samples, 0.99)
+                f50, f99 = _percentile(floor_samples, 0.5), _percentile(floor_samples, 0.99)
+                results.figures[f"wake_{variant}_p99_ms"] = p99
+                ok = p99 < WAKE_P99_TARGET_MS
+                if not ok:
+                    results.missed.append(f"release -> waiter ({variant})")
+                results.add(
+                    f"release -> next waiter, {'semaphore_acquire wait' if variant == 'sql' else 'LISTEN + retry'}"
+                    f" (n={len(samples)})",
+                    f"p50 {p50:.2f} ms, p99 {p99:.2f} ms",
+                    f"p50 {f50:.2f} ms, p99 {f99:.2f} ms",
+                    f"{p99 / f99:.1f}x" if f99 > 0 else "-",
+                    f"p99 < {WAKE_P99_TARGET_MS:.0f} ms {'ok' if ok else 'MISSED'}",
+                )
+
+        if want("counters"):
+            for procs in (1, 8):
+                ours, floor = alternate(["counter", "counter_floor"], url, procs, cfg, server_cpu)
+                results.compare(f"counter_add, {procs} proc", ours, floor, COUNTER_TARGET, f"counter_{procs}")
+            for procs in (1, 8):
+                ours, floor = alternate(["kv", "kv_floor"], url, procs, cfg, server_cpu)
+                label = "1 proc" if procs == 1 else f"{procs} proc, a key each"
+                results.compare(f"kv_set compare-and-set, {label}", ours, floor, COUNTER_TARGET, f"kv_{procs}")
+            with KVWatcher(url):
+                ours, floor = alternate(["kv", "kv_floor"], url, 8, cfg, server_cpu)
             results.compare(
-                f"lock acquire+release, Python Lock, {procs} proc", py, floor, LOCK_TARGET, f"py_lock_{procs}"
-            )
-            results.compare(
-                f"lock acquire+release, SQL functions, {procs} proc", ours, floor, LOCK_TARGET, f"lock_{procs}"
-            )
-
-        for kind, label in (("sem_wait", "wait NULL"), ("sem_try", "retry '0'"), ("sem_listen", "LISTEN+retry")):
-            ours, floor = alternate([kind, "sem_floor"], url, 8, cfg, server_cpu)
-            results.compare(f"semaphore limit 4, 8 proc, {label}", ours, floor, SEMAPHORE_TARGET, kind)
-
-        for variant in ("sql", "listen"):
-            samples = wake_latencies(url, variant, cfg.wakeups)
-            floor_samples = wake_latencies(url, "floor", cfg.wakeups)
-            p50, p99 = _percentile(samples, 0.5), _percentile(samples, 0.99)
-            f50, f99 = _percentile(floor_samples, 0.5), _percentile(floor_samples, 0.99)
-            results.figures[f"wake_{variant}_p99_ms"] = p99
-            ok = p99 < WAKE_P99_TARGET_MS
-            if not ok:
-                results.missed.append(f"release -> waiter ({variant})")
-            results.add(
-                f"release -> next waiter, {'semaphore_acquire wait' if variant == 'sql' else 'LISTEN + retry'}"
-                f" (n={len(samples)})",
-                f"p50 {p50:.2f} ms, p99 {p99:.2f} ms",
-                f"p50 {f50:.2f} ms, p99 {f99:.2f} ms",
-                f"{p99 / f99:.1f}x" if f99 > 0 else "-",
-                f"p99 < {WAKE_P99_TARGET_MS:.0f} ms {'ok' if ok else 'MISSED'}",
+                "kv_set compare-and-set, 8 proc, a key each, while a session watches",
+                ours,
+                floor,
+                COUNTER_TARGET,
+                "kv_8w",
             )
 
-        for procs in (1, 8):
-            ours, floor = alternate(["counter", "counter_floor"], url, procs, cfg, server_cpu)
-            results.compare(f"counter_add, {procs} proc", ours, floor, COUNTER_TARGET, f"counter_{procs}")
-        for procs in (1, 8):
-            ours, floor = alternate(["kv", "kv_floor"], url, procs, cfg, server_cpu)
-            label = "1 proc" if procs == 1 else f"{procs} proc, a key each"
-            results.compare(f"kv_set compare-and-set, {label}", ours, floor, COUNTER_TARGET, f"kv_{procs}")
-        with KVWatcher(url):
-            ours, floor = alternate(["kv", "kv_floor"], url, 8, cfg, server_cpu)
-        results.compare(
-            "kv_set compare-and-set, 8 proc, a key each, while a session watches", ours, floor, COUNTER_TARGET, "kv_8w"
-        )
+        if want("peers"):
+            bench_peers(url, cfg, server_cpu, results)
 
-        bench_peers(url, cfg, server_cpu, results)
+        if want("breakdown"):
+            # Where the lock cycle's time goes (1 process), each against the same raw floor.
+            for kind, label in (
+                ("two_int", "raw pg_advisory_lock(int4, int4)"),
+                ("bare", "PL/pgSQL around the lock"),
+                ("bare_definer", "... + SECURITY DEFINER, SET search_path"),
+                ("lookup", "PL/pgSQL + name lookup"),
+                ("lookup_definer", "... + SECURITY DEFINER, SET search_path"),
+            ):
+                ours, floor = alternate([kind, "lock_floor"], url, 1, cfg, server_cpu)
+                results.compare(f"breakdown: {label}, 1 proc", ours, floor, None, f"breakdown_{kind}")
+            # Where kv_set's time goes, 8 processes on a key each: its NOTIFY (one lock for the whole cluster,
+            # held through the commit's WAL flush) against the same CAS without it, and the floor with one.
+            for kind, label in (
+                ("kv_no_notify", "kv_set CAS without pg_notify"),
+                ("kv_floor_notify", "raw UPDATE + pg_notify"),
+            ):
+                ours, floor = alternate([kind, "kv_floor"], url, 8, cfg, server_cpu)
+                results.compare(f"breakdown: {label}, 8 proc, a key each", ours, floor, None, f"breakdown_{kind}")
 
-        # Where the lock cycle's time goes (1 process), each against the same raw floor.
-        for kind, label in (
-            ("two_int", "raw pg_advisory_lock(int4, int4)"),
-            ("bare", "PL/pgSQL around the lock"),
-            ("bare_definer", "... + SECURITY DEFINER, SET search_path"),
-            ("lookup", "PL/pgSQL + name lookup"),
-            ("lookup_definer", "... + SECURITY DEFINER, SET search_path"),
-        ):
-            ours, floor = alternate([kind, "lock_floor"], url, 1, cfg, server_cpu)
-            results.compare(f"breakdown: {label}, 1 proc", ours, floor, None, f"breakdown_{kind}")
-        # Where kv_set's time goes, 8 processes on a key each: its NOTIFY (one lock for the whole cluster,
-        # held through the commit's WAL flush) against the same CAS without it, and the floor with one.
-        for kind, label in (
-            ("kv_no_notify", "kv_set CAS without pg_notify"),
-            ("kv_floor_notify", "raw UPDATE + pg_notify"),
-        ):
-            ours, floor = alternate([kind, "kv_floor"], url, 8, cfg, server_cpu)
-            results.compare(f"breakdown: {label}, 8 proc, a key each", ours, floor, None, f"breakdown_{kind}")
+        if want("ratelimit"):
+            bench_rate_limits(url, cfg, server_cpu, results)
     results.figures["seconds"] = time.monotonic() - started
     results.notes.append(
         "load average at the end: {:.2f} {:.2f} {:.2f} (other work on the machine shows as noise)".format(
@@ -833,8 +1147,11 @@ def run(cfg: Settings) -> Results:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, noisier figures)")
+    parser.add_argument(
+        "--only", action="append", choices=PARTS, default=[], help="run only this part (repeatable; default: all)"
+    )
     args = parser.parse_args(argv)
-    results = run(Settings.quick() if args.quick else Settings())
+    results = run(Settings.quick() if args.quick else Settings(), args.only)
     print()
     print(results.table())
     print(
@@ -849,7 +1166,7 @@ def test_bench_primitives() -> None:
     results = run(Settings.quick())
     print()
     print(results.table())
-    assert results.figures["lock_1"] > 0 and results.figures["counter_1"] > 0
+    assert results.figures["lock_1"] > 0 and results.figures["counter_1"] > 0 and results.figures["rl_1"] > 0
 
 
 if __name__ == "__main__":
