@@ -29,7 +29,7 @@
 CREATE TABLE pgbroker.name_grant (
     kind text NOT NULL
         CONSTRAINT name_grant_kind_valid CHECK (kind IN ('lease', 'lock', 'semaphore', 'kv', 'counter', 'rate_limit')),
-    prefix text COLLATE "C" NOT NULL CONSTRAINT name_grant_prefix_valid CHECK (octet_length(prefix) <= 200),
+    prefix text NOT NULL CONSTRAINT name_grant_prefix_valid CHECK (octet_length(prefix) <= 200),
     role oid NOT NULL,
     rights text NOT NULL CONSTRAINT name_grant_rights_valid CHECK (rights IN ('read', 'write')),
     granted_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
@@ -70,28 +70,40 @@ COMMENT ON COLUMN pgbroker.name_grant_version.singleton IS 'Always true: one row
 
 -- Whether role p_role (the session's login role, for the API's checks) may
 -- use p_name of kind p_kind, for writing or only reading, given the kind's
--- prefix lengths (NULL: the kind has no grant).  No SET clause: only
--- functions with a pinned search_path call it; every name in it is qualified.
-CREATE FUNCTION pgbroker._name_allowed(p_kind text, p_name text, p_write boolean, p_lengths integer[], p_role name)
+-- prefix lengths (NULL: the kind has no grant): the prefixes of p_name of
+-- those lengths are probed longest first, and the first one granted decides.
+-- A dropped role's grant admits nobody (pg_has_role is false for an oid that
+-- names no role, but for superusers, who pass every check).  PL/pgSQL, so
+-- that its queries' plans are cached, each an index probe.  p_role is an
+-- oid, not a name: an argument of type name (collation "C") would make the
+-- call's collation "C", every text parameter's with it, and the probes unable
+-- to use the index (a scan of every grant instead).  No search_path: only
+-- functions with a pinned one call it, and every name in it is qualified.
+CREATE FUNCTION pgbroker._name_allowed(p_kind text, p_name text, p_write boolean, p_lengths integer[], p_role oid)
 RETURNS boolean
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
-    WITH covering AS (
-        SELECT g.prefix, g.role, g.rights
-          FROM pgbroker.name_grant g
-         WHERE g.kind = p_kind
-           AND g.prefix = ANY (ARRAY(SELECT pg_catalog.left(p_name, l) FROM pg_catalog.unnest(p_lengths) AS l
-                                      WHERE l <= pg_catalog.length(p_name)))
-    )
-    SELECT p_lengths IS NULL
-        OR NOT EXISTS (SELECT FROM covering)
-        OR EXISTS (SELECT FROM covering c
-                     JOIN pg_catalog.pg_roles r ON r.oid = c.role   -- a dropped role's grant admits nobody
-                    WHERE pg_catalog.length(c.prefix) = (SELECT max(pg_catalog.length(x.prefix)) FROM covering x)
-                      AND (c.rights = 'write' OR NOT p_write)
-                      AND pg_catalog.pg_has_role(p_role, c.role, 'MEMBER'))
+DECLARE
+    v_length integer := pg_catalog.length(p_name);
+    v_prefix text;
+BEGIN
+    IF p_lengths IS NULL THEN
+        RETURN true;
+    END IF;
+    FOR i IN REVERSE pg_catalog.cardinality(p_lengths) .. 1 LOOP
+        CONTINUE WHEN p_lengths[i] > v_length;
+        v_prefix := pg_catalog.left(p_name, p_lengths[i]);
+        IF EXISTS (SELECT FROM pgbroker.name_grant g WHERE g.kind = p_kind AND g.prefix = v_prefix) THEN
+            RETURN EXISTS (SELECT FROM pgbroker.name_grant g
+                            WHERE g.kind = p_kind AND g.prefix = v_prefix
+                              AND (g.rights = 'write' OR NOT p_write)
+                              AND pg_catalog.pg_has_role(p_role, g.role, 'MEMBER'));
+        END IF;
+    END LOOP;
+    RETURN true;   -- no grant covers the name
+END
 $$;
-COMMENT ON FUNCTION pgbroker._name_allowed(text, text, boolean, integer[], name) IS
+COMMENT ON FUNCTION pgbroker._name_allowed(text, text, boolean, integer[], oid) IS
     'Internal: whether role p_role may read (p_write false) or write name p_name of kind p_kind, given the kind''s prefix lengths (NULL: no grant).';
 
 -- The check the API functions make: nothing to do (one index probe) for a
@@ -104,7 +116,8 @@ DECLARE
     v_lengths integer[];
 BEGIN
     SELECT k.lengths INTO v_lengths FROM pgbroker.name_grant_kind k WHERE k.kind = p_kind;
-    IF v_lengths IS NOT NULL AND NOT pgbroker._name_allowed(p_kind, p_name, p_write, v_lengths, SESSION_USER) THEN
+    IF v_lengths IS NOT NULL AND NOT pgbroker._name_allowed(p_kind, p_name, p_write, v_lengths,
+                                                                 SESSION_USER::text::regrole) THEN
         RAISE EXCEPTION 'permission denied to % % "%": role % has no % grant on its longest covering prefix',
                 CASE WHEN p_write THEN 'use' ELSE 'read' END, replace(p_kind, '_', ' '), p_name, SESSION_USER,
                 CASE WHEN p_write THEN 'write' ELSE 'read' END
@@ -120,14 +133,21 @@ COMMENT ON FUNCTION pgbroker._name_check(text, text, boolean) IS
 
 CREATE FUNCTION pgbroker.name_allowed(kind text, name text, rights text DEFAULT 'read', "role" regrole DEFAULT NULL)
 RETURNS boolean
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT pgbroker._name_allowed(name_allowed.kind, name_allowed.name, name_allowed.rights = 'write',
-                                  (SELECT k.lengths FROM pgbroker.name_grant_kind k WHERE k.kind = name_allowed.kind),
-                                  coalesce((SELECT r.rolname FROM pg_catalog.pg_roles r WHERE r.oid = name_allowed."role"),
-                                           SESSION_USER))
+DECLARE
+    v_lengths integer[];
+BEGIN
+    IF name_allowed.rights IS NULL OR name_allowed.rights NOT IN ('read', 'write') THEN
+        RAISE EXCEPTION 'rights must be read or write, got %', coalesce(name_allowed.rights, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT k.lengths INTO v_lengths FROM pgbroker.name_grant_kind k WHERE k.kind = name_allowed.kind;
+    RETURN pgbroker._name_allowed(name_allowed.kind, name_allowed.name, name_allowed.rights = 'write', v_lengths,
+                                  coalesce(name_allowed."role"::oid, SESSION_USER::text::regrole::oid));
+END
 $$;
 COMMENT ON FUNCTION pgbroker.name_allowed(text, text, text, regrole) IS
 $$Whether ROLE (default: this session's login role) may read (RIGHTS 'read') or use ('write') NAME of KIND by the name grants (the capability roles aside). The views filter their rows with it.$$;
@@ -183,7 +203,7 @@ BEGIN
     END IF;
     INSERT INTO pgbroker.name_grant AS g (kind, prefix, role, rights)
     VALUES (name_grant.kind, name_grant.prefix, name_grant."role", name_grant.rights)
-    ON CONFLICT (kind, prefix, role) DO UPDATE SET rights = excluded.rights, granted_at = excluded.granted_at;
+    ON CONFLICT ON CONSTRAINT name_grant_pkey DO UPDATE SET rights = excluded.rights, granted_at = excluded.granted_at;
     PERFORM pgbroker._name_grants_changed(name_grant.kind);
 END
 $$;

@@ -258,7 +258,8 @@ BEGIN
         -- The hot path: no permit registered by this open transaction.
         FOR i IN 1 .. cardinality(v_keys) LOOP
             IF pg_advisory_unlock(pgbroker._lock_class_permit(), v_keys[i]) THEN
-                -- semaphore_channel(v_name), without its call and settings frame
+                -- semaphore_channel(v_name), without its call, settings frame and name check
+                -- (giving back needs no grant)
                 PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permits[i]::text);
                 RETURN true;
             END IF;
@@ -273,7 +274,7 @@ BEGIN
                 RETURN true;
             END IF;
         ELSIF pg_advisory_unlock(pgbroker._lock_class_permit(), v_permit.key) THEN
-            PERFORM pg_notify(pgbroker.semaphore_channel(v_name), v_permit.permit::text);
+            PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permit.permit::text);   -- as above
             RETURN true;
         END IF;
     END LOOP;

@@ -169,7 +169,7 @@ DROP FUNCTION pgbroker._name_grant_args(text, text, regrole);
 DROP FUNCTION pgbroker._name_grants_changed(text);
 DROP FUNCTION pgbroker.name_allowed(text, text, text, regrole);
 DROP FUNCTION pgbroker._name_check(text, text, boolean);
-DROP FUNCTION pgbroker._name_allowed(text, text, boolean, integer[], name);
+DROP FUNCTION pgbroker._name_allowed(text, text, boolean, integer[], oid);
 DROP TABLE pgbroker.name_grant_version;
 DROP TABLE pgbroker.name_grant_kind;
 DROP TABLE pgbroker.name_grant;

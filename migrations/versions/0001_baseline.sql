@@ -147,7 +147,7 @@ SELECT pgbroker._set_database_search_path(true);
 CREATE TABLE pgbroker.name_grant (
     kind text NOT NULL
         CONSTRAINT name_grant_kind_valid CHECK (kind IN ('lease', 'lock', 'semaphore', 'kv', 'counter', 'rate_limit')),
-    prefix text COLLATE "C" NOT NULL CONSTRAINT name_grant_prefix_valid CHECK (octet_length(prefix) <= 200),
+    prefix text NOT NULL CONSTRAINT name_grant_prefix_valid CHECK (octet_length(prefix) <= 200),
     role oid NOT NULL,
     rights text NOT NULL CONSTRAINT name_grant_rights_valid CHECK (rights IN ('read', 'write')),
     granted_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
@@ -188,28 +188,40 @@ COMMENT ON COLUMN pgbroker.name_grant_version.singleton IS 'Always true: one row
 
 -- Whether role p_role (the session's login role, for the API's checks) may
 -- use p_name of kind p_kind, for writing or only reading, given the kind's
--- prefix lengths (NULL: the kind has no grant).  No SET clause: only
--- functions with a pinned search_path call it; every name in it is qualified.
-CREATE FUNCTION pgbroker._name_allowed(p_kind text, p_name text, p_write boolean, p_lengths integer[], p_role name)
+-- prefix lengths (NULL: the kind has no grant): the prefixes of p_name of
+-- those lengths are probed longest first, and the first one granted decides.
+-- A dropped role's grant admits nobody (pg_has_role is false for an oid that
+-- names no role, but for superusers, who pass every check).  PL/pgSQL, so
+-- that its queries' plans are cached, each an index probe.  p_role is an
+-- oid, not a name: an argument of type name (collation "C") would make the
+-- call's collation "C", every text parameter's with it, and the probes unable
+-- to use the index (a scan of every grant instead).  No search_path: only
+-- functions with a pinned one call it, and every name in it is qualified.
+CREATE FUNCTION pgbroker._name_allowed(p_kind text, p_name text, p_write boolean, p_lengths integer[], p_role oid)
 RETURNS boolean
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
-    WITH covering AS (
-        SELECT g.prefix, g.role, g.rights
-          FROM pgbroker.name_grant g
-         WHERE g.kind = p_kind
-           AND g.prefix = ANY (ARRAY(SELECT pg_catalog.left(p_name, l) FROM pg_catalog.unnest(p_lengths) AS l
-                                      WHERE l <= pg_catalog.length(p_name)))
-    )
-    SELECT p_lengths IS NULL
-        OR NOT EXISTS (SELECT FROM covering)
-        OR EXISTS (SELECT FROM covering c
-                     JOIN pg_catalog.pg_roles r ON r.oid = c.role   -- a dropped role's grant admits nobody
-                    WHERE pg_catalog.length(c.prefix) = (SELECT max(pg_catalog.length(x.prefix)) FROM covering x)
-                      AND (c.rights = 'write' OR NOT p_write)
-                      AND pg_catalog.pg_has_role(p_role, c.role, 'MEMBER'))
+DECLARE
+    v_length integer := pg_catalog.length(p_name);
+    v_prefix text;
+BEGIN
+    IF p_lengths IS NULL THEN
+        RETURN true;
+    END IF;
+    FOR i IN REVERSE pg_catalog.cardinality(p_lengths) .. 1 LOOP
+        CONTINUE WHEN p_lengths[i] > v_length;
+        v_prefix := pg_catalog.left(p_name, p_lengths[i]);
+        IF EXISTS (SELECT FROM pgbroker.name_grant g WHERE g.kind = p_kind AND g.prefix = v_prefix) THEN
+            RETURN EXISTS (SELECT FROM pgbroker.name_grant g
+                            WHERE g.kind = p_kind AND g.prefix = v_prefix
+                              AND (g.rights = 'write' OR NOT p_write)
+                              AND pg_catalog.pg_has_role(p_role, g.role, 'MEMBER'));
+        END IF;
+    END LOOP;
+    RETURN true;   -- no grant covers the name
+END
 $$;
-COMMENT ON FUNCTION pgbroker._name_allowed(text, text, boolean, integer[], name) IS
+COMMENT ON FUNCTION pgbroker._name_allowed(text, text, boolean, integer[], oid) IS
     'Internal: whether role p_role may read (p_write false) or write name p_name of kind p_kind, given the kind''s prefix lengths (NULL: no grant).';
 
 -- The check the API functions make: nothing to do (one index probe) for a
@@ -222,7 +234,8 @@ DECLARE
     v_lengths integer[];
 BEGIN
     SELECT k.lengths INTO v_lengths FROM pgbroker.name_grant_kind k WHERE k.kind = p_kind;
-    IF v_lengths IS NOT NULL AND NOT pgbroker._name_allowed(p_kind, p_name, p_write, v_lengths, SESSION_USER) THEN
+    IF v_lengths IS NOT NULL AND NOT pgbroker._name_allowed(p_kind, p_name, p_write, v_lengths,
+                                                                 SESSION_USER::text::regrole) THEN
         RAISE EXCEPTION 'permission denied to % % "%": role % has no % grant on its longest covering prefix',
                 CASE WHEN p_write THEN 'use' ELSE 'read' END, replace(p_kind, '_', ' '), p_name, SESSION_USER,
                 CASE WHEN p_write THEN 'write' ELSE 'read' END
@@ -238,14 +251,21 @@ COMMENT ON FUNCTION pgbroker._name_check(text, text, boolean) IS
 
 CREATE FUNCTION pgbroker.name_allowed(kind text, name text, rights text DEFAULT 'read', "role" regrole DEFAULT NULL)
 RETURNS boolean
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT pgbroker._name_allowed(name_allowed.kind, name_allowed.name, name_allowed.rights = 'write',
-                                  (SELECT k.lengths FROM pgbroker.name_grant_kind k WHERE k.kind = name_allowed.kind),
-                                  coalesce((SELECT r.rolname FROM pg_catalog.pg_roles r WHERE r.oid = name_allowed."role"),
-                                           SESSION_USER))
+DECLARE
+    v_lengths integer[];
+BEGIN
+    IF name_allowed.rights IS NULL OR name_allowed.rights NOT IN ('read', 'write') THEN
+        RAISE EXCEPTION 'rights must be read or write, got %', coalesce(name_allowed.rights, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT k.lengths INTO v_lengths FROM pgbroker.name_grant_kind k WHERE k.kind = name_allowed.kind;
+    RETURN pgbroker._name_allowed(name_allowed.kind, name_allowed.name, name_allowed.rights = 'write', v_lengths,
+                                  coalesce(name_allowed."role"::oid, SESSION_USER::text::regrole::oid));
+END
 $$;
 COMMENT ON FUNCTION pgbroker.name_allowed(text, text, text, regrole) IS
 $$Whether ROLE (default: this session's login role) may read (RIGHTS 'read') or use ('write') NAME of KIND by the name grants (the capability roles aside). The views filter their rows with it.$$;
@@ -301,7 +321,7 @@ BEGIN
     END IF;
     INSERT INTO pgbroker.name_grant AS g (kind, prefix, role, rights)
     VALUES (name_grant.kind, name_grant.prefix, name_grant."role", name_grant.rights)
-    ON CONFLICT (kind, prefix, role) DO UPDATE SET rights = excluded.rights, granted_at = excluded.granted_at;
+    ON CONFLICT ON CONSTRAINT name_grant_pkey DO UPDATE SET rights = excluded.rights, granted_at = excluded.granted_at;
     PERFORM pgbroker._name_grants_changed(name_grant.kind);
 END
 $$;
@@ -4022,7 +4042,8 @@ BEGIN
         -- The hot path: no permit registered by this open transaction.
         FOR i IN 1 .. cardinality(v_keys) LOOP
             IF pg_advisory_unlock(pgbroker._lock_class_permit(), v_keys[i]) THEN
-                -- semaphore_channel(v_name), without its call and settings frame
+                -- semaphore_channel(v_name), without its call, settings frame and name check
+                -- (giving back needs no grant)
                 PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permits[i]::text);
                 RETURN true;
             END IF;
@@ -4037,7 +4058,7 @@ BEGIN
                 RETURN true;
             END IF;
         ELSIF pg_advisory_unlock(pgbroker._lock_class_permit(), v_permit.key) THEN
-            PERFORM pg_notify(pgbroker.semaphore_channel(v_name), v_permit.permit::text);
+            PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permit.permit::text);   -- as above
             RETURN true;
         END IF;
     END LOOP;
@@ -4514,10 +4535,12 @@ The state is UNLOGGED: a crash (or failover) forgets it and every limit starts f
 -- pgbroker: the views, the read-only interface for operators, frontends and
 -- pgbroker_reader.  Tables are not an interface; these are.  Rows about a
 -- name show only to roles that may read it by the name grants
--- (050_authority.sql): each view filters with name_allowed(), tested before
--- anything else is computed for the row (a CASE or the WHERE of a subquery
--- fenced by OFFSET 0, since the functions it guards refuse names one may
--- not read).  A broker's
+-- (050_authority.sql): each view filters with name_allowed(), called only
+-- when the kind has grants (else every name is readable, and the test costs
+-- the view one probe, not a call per row), and tested before anything else
+-- is computed for the row (a CASE or the WHERE of a subquery fenced by
+-- OFFSET 0, since the functions it guards refuse names one may not read).
+-- A broker's
 -- clients, subscriptions, state and outbox are shown for the lease's current
 -- epoch only: what earlier epochs left is invisible (sweep_backlog counts it).
 
@@ -4544,7 +4567,8 @@ SELECT l.name,
            AND w.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
            AND w.classid = 1885823602::oid AND w.objid = l.lock_key::oid AND w.objsubid = 2)::integer AS waiting
   FROM pgbroker.lease l
- WHERE pgbroker.name_allowed('lease', l.name);
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', l.name));
 COMMENT ON VIEW pgbroker.brokers IS 'One row per lease name: its epoch, holder and whether the holder is alive.';
 COMMENT ON COLUMN pgbroker.brokers.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.brokers.epoch IS 'Current epoch (fencing token); 0 before the first claim.';
@@ -4565,7 +4589,8 @@ CREATE VIEW pgbroker.lease_history AS
 SELECT id, name, epoch, event, at, pid, db_user, application, address, info,
        previous_epoch, previous_pid, previous_application, previous_address, previous_heartbeat_at, reason
   FROM pgbroker.lease_event
- WHERE pgbroker.name_allowed('lease', name);
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', name));
 COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover, release and expiry, oldest first by id: who took the lease from whom, when and why. Each was announced on lease_channel() as it committed.';
 COMMENT ON COLUMN pgbroker.lease_history.id IS 'Increasing event number.';
 COMMENT ON COLUMN pgbroker.lease_history.name IS 'Lease name.';
@@ -4588,7 +4613,8 @@ CREATE VIEW pgbroker.broker_state AS
 SELECT s.name, s.epoch, s.key, s.value, s.updated_at
   FROM pgbroker.state s
   JOIN pgbroker.lease l ON l.name = s.name AND l.epoch = s.epoch
- WHERE pgbroker.name_allowed('lease', s.name);
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', s.name));
 COMMENT ON VIEW pgbroker.broker_state IS 'Key/value state published by the current broker of each lease.';
 COMMENT ON COLUMN pgbroker.broker_state.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.broker_state.epoch IS 'Epoch of the broker that wrote it.';
@@ -4616,7 +4642,8 @@ CREATE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
        CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
   FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
-         WHERE CASE WHEN pgbroker.name_allowed('lease', l.name) THEN pgbroker.broker_alive(l.name) END
+         WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+                          OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
         OFFSET 0) l  -- once per lease
   JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch
   JOIN pgbroker.subscription s ON s.client_key = c.client_key
@@ -4632,7 +4659,8 @@ CREATE VIEW pgbroker.outbox_pending AS
 SELECT o.name, count(*) AS pending, min(o.at) AS oldest
   FROM pgbroker.outbox o
   JOIN pgbroker.lease l ON l.name = o.name AND l.epoch = o.epoch
- WHERE pgbroker.name_allowed('lease', o.name)
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', o.name))
  GROUP BY o.name;
 COMMENT ON VIEW pgbroker.outbox_pending IS 'Undelivered notifications per broker (of its current epoch): how many and since when.';
 COMMENT ON COLUMN pgbroker.outbox_pending.name IS 'Broker (lease name).';
@@ -4643,7 +4671,8 @@ CREATE VIEW pgbroker.clients AS
 SELECT c.name, c.epoch, c.client_id, c.info, c.registered_at, c.updated_at,
        (SELECT count(*) FROM pgbroker.subscription s WHERE s.client_key = c.client_key)::integer AS subscriptions
   FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
-         WHERE CASE WHEN pgbroker.name_allowed('lease', l.name) THEN pgbroker.broker_alive(l.name) END
+         WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+                          OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
         OFFSET 0) l  -- once per lease
   JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch;
 COMMENT ON VIEW pgbroker.clients IS 'Clients connected to live brokers, with their broker (lease name) and epoch.';
@@ -4664,7 +4693,8 @@ SELECT l.name, l.epoch,
        (SELECT count(*) FROM pgbroker.outbox o WHERE o.name = l.name AND o.epoch < l.epoch) AS outbox,
        (SELECT count(*) FROM pgbroker.state s WHERE s.name = l.name AND s.epoch < l.epoch) AS state
   FROM pgbroker.lease l
- WHERE pgbroker.name_allowed('lease', l.name);
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', l.name));
 COMMENT ON VIEW pgbroker.sweep_backlog IS
     'Per lease: the rows its earlier epochs left that broker_sweep() has yet to delete (invisible everywhere else; they only take space).';
 COMMENT ON COLUMN pgbroker.sweep_backlog.name IS 'Lease name.';
@@ -4698,7 +4728,8 @@ SELECT n.name,
  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
    AND l.classid = 1885823596::oid   -- named locks ('pgbl')
    AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
-   AND pgbroker.name_allowed('lock', n.name);
+   AND (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lock')
+        OR pgbroker.name_allowed('lock', n.name));
 COMMENT ON VIEW pgbroker.locks IS 'Named locks held now: one row per holder and mode, with how many sessions wait for the lock.';
 COMMENT ON COLUMN pgbroker.locks.name IS 'Lock name.';
 COMMENT ON COLUMN pgbroker.locks.mode IS 'exclusive or shared.';
@@ -4725,7 +4756,8 @@ SELECT p.name,
    AND l.classid = 1885823597::oid   -- semaphore permits ('pgbm')
    AND l.objid = p.key::oid
    AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
- WHERE pgbroker.name_allowed('semaphore', p.name)
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'semaphore')
+        OR pgbroker.name_allowed('semaphore', p.name))
  GROUP BY p.name;
 COMMENT ON VIEW pgbroker.semaphores IS 'Semaphores: how many permits exist, how many are held and by whom.';
 COMMENT ON COLUMN pgbroker.semaphores.name IS 'Semaphore name.';
@@ -4739,7 +4771,7 @@ SELECT e.key, e.version, e.updated_at, e.expires_at,
        CASE WHEN pg_catalog.pg_has_role(current_user, 'pgbroker_user', 'MEMBER') THEN e.value END AS value
   FROM pgbroker.kv_entry e
  WHERE (e.expires_at IS NULL OR e.expires_at > pg_catalog.clock_timestamp())
-   AND pgbroker.name_allowed('kv', e.key);
+   AND (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'kv') OR pgbroker.name_allowed('kv', e.key));
 COMMENT ON VIEW pgbroker.kv IS 'Live entries of the key-value store; values only to members of pgbroker_user.';
 COMMENT ON COLUMN pgbroker.kv.key IS 'The key.';
 COMMENT ON COLUMN pgbroker.kv.version IS 'Version of its last change.';
@@ -4749,7 +4781,8 @@ COMMENT ON COLUMN pgbroker.kv.value IS 'Its value, for members of pgbroker_user 
 
 CREATE VIEW pgbroker.counters AS
 SELECT c.name, c.value, c.updated_at FROM pgbroker.counter c
- WHERE pgbroker.name_allowed('counter', c.name);
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'counter')
+        OR pgbroker.name_allowed('counter', c.name));
 COMMENT ON VIEW pgbroker.counters IS 'Atomic counters and their values.';
 COMMENT ON COLUMN pgbroker.counters.name IS 'Counter name.';
 COMMENT ON COLUMN pgbroker.counters.value IS 'Its value.';
@@ -4769,7 +4802,8 @@ SELECT s.name, s.rate, s.per, s.burst,
                             -- EXECUTE on a function it calls, and internal functions are granted to nobody
                             pg_catalog.div(EXTRACT(epoch FROM s.per) * 1000000000000000 + s.rate - 1,
                                            s.rate::numeric) AS t) c
- WHERE pgbroker.name_allowed('rate_limit', s.name);
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'rate_limit')
+        OR pgbroker.name_allowed('rate_limit', s.name));
 COMMENT ON VIEW pgbroker.rate_limits IS
     'Rate limits (rate_limit()) with the parameters of their last call: how much is available now, when they are full again, and how many calls were allowed and denied. A crash forgets them all.';
 COMMENT ON COLUMN pgbroker.rate_limits.name IS 'Rate limit name.';
@@ -4798,10 +4832,12 @@ COMMENT ON COLUMN pgbroker.name_grants.rights IS 'read, or write (which implies 
 COMMENT ON COLUMN pgbroker.name_grants.granted_at IS 'When it was granted or last changed.';
 
 CREATE VIEW pgbroker.name_grants_version AS
-SELECT v.version FROM pgbroker.name_grant_version v;
+SELECT v.version, ARRAY(SELECT k.kind FROM pgbroker.name_grant_kind k ORDER BY k.kind) AS kinds
+  FROM pgbroker.name_grant_version v;
 COMMENT ON VIEW pgbroker.name_grants_version IS
-    'A number that changes with every name_grant and name_revoke: compare it before using what a name allowed before (the Python Lock does before taking a lock by its cached key).';
+    'A number that changes with every name_grant and name_revoke, and the kinds with grants: what a client caches about a name of a kind without grants stays valid while the number is unchanged (the Python Lock takes a lock by its cached key only then).';
 COMMENT ON COLUMN pgbroker.name_grants_version.version IS 'Grows with every grant and revoke.';
+COMMENT ON COLUMN pgbroker.name_grants_version.kinds IS 'The kinds some grant covers names of (their names are checked at every call, role memberships included).';
 
 -- ===== sql/750_console.sql =====
 
