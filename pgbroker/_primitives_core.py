@@ -21,8 +21,12 @@ LOCK_ACQUIRE_SQL = (
     "SELECT pgbroker.lock_acquire(name => %(name)s, wait => %(wait)s, shared => %(shared)s, xact => %(xact)s)"
 )
 LOCK_RELEASE_SQL = "SELECT pgbroker.lock_release(name => %(name)s, shared => %(shared)s)"
-# The key of a name, and the version of the name grants it was allowed under.
-LOCK_KEY_SQL = "SELECT pgbroker.lock_key(name => %(name)s), (SELECT version FROM pgbroker.name_grants_version)"
+# The key of a name, the version of the name grants it was allowed under, and
+# whether lock names have grants (then every acquire asks lock_acquire, which
+# judges role memberships as they are now: the key is not cached).
+LOCK_KEY_SQL = (
+    "SELECT pgbroker.lock_key(name => %(name)s), v.version, 'lock' = ANY (v.kinds) FROM pgbroker.name_grants_version v"
+)
 # A session lock on a name whose key is known (pgbroker.lock_key): the very
 # advisory lock lock_acquire() takes, without the function call around it,
 # taken only while the name grants are those the key was handed out under
@@ -148,8 +152,8 @@ _VERDICTS: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.Weak
 
 # The lock keys of names, per connection, as pgbroker.lock_key() gave them,
 # with the version of the name grants they were handed out under: only keys
-# of committed registrations, which never change; a grant or revoke since
-# makes the fast path step aside (RAW_LOCK_SQL).  Bounded: cleared when it
+# of committed registrations, which never change, while lock names have no
+# grant; a grant or revoke since makes the fast path step aside (RAW_LOCK_SQL).  Bounded: cleared when it
 # grows past LOCK_KEYS_MAX names.
 _LOCK_KEYS: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, int]]] = weakref.WeakKeyDictionary()
 LOCK_KEYS_MAX = 10_000

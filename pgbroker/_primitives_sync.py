@@ -212,14 +212,15 @@ class Lock:
         return wait is None or bool(row[0])
 
     def _learn_key(self) -> None:
-        """Cache the name's key once it is registered by a committed transaction (see ``pgbroker.lock_key``)."""
+        """Cache the name's key once it is registered by a committed transaction, while lock names have no grant
+        (see ``pgbroker.lock_key``)."""
         if self.conn.autocommit and not _in_transaction(self.conn) and self.name not in lock_keys(self.conn):
             try:
                 cur = self.conn.execute(LOCK_KEY_SQL, {"name": self.name})
                 row = cur.fetchone()
             except psycopg.Error as exc:
                 _raise_translated(exc)
-            if row is not None and row[0] is not None:
+            if row is not None and row[0] is not None and not row[2]:
                 lock_keys(self.conn)[self.name] = (row[0], row[1])
 
     def release(self) -> None:
