@@ -71,7 +71,8 @@ COMMENT ON COLUMN pgbroker.name_grant_version.singleton IS 'Always true: one row
 -- Whether role p_role (the session's login role, for the API's checks) may
 -- use p_name of kind p_kind, for writing or only reading, given the kind's
 -- prefix lengths (NULL: the kind has no grant): the prefixes of p_name of
--- those lengths are probed longest first, and the first one granted decides.
+-- those lengths are probed longest first (one query each), and the first one
+-- with a grant decides.
 -- A dropped role's grant admits nobody (pg_has_role is false for an oid that
 -- names no role, but for superusers, who pass every check).  PL/pgSQL, so
 -- that its queries' plans are cached, each an index probe.  p_role is an
@@ -85,19 +86,20 @@ LANGUAGE plpgsql STABLE
 AS $$
 DECLARE
     v_length integer := pg_catalog.length(p_name);
-    v_prefix text;
+    v_allowed boolean;
 BEGIN
     IF p_lengths IS NULL THEN
         RETURN true;
     END IF;
     FOR i IN REVERSE pg_catalog.cardinality(p_lengths) .. 1 LOOP
         CONTINUE WHEN p_lengths[i] > v_length;
-        v_prefix := pg_catalog.left(p_name, p_lengths[i]);
-        IF EXISTS (SELECT FROM pgbroker.name_grant g WHERE g.kind = p_kind AND g.prefix = v_prefix) THEN
-            RETURN EXISTS (SELECT FROM pgbroker.name_grant g
-                            WHERE g.kind = p_kind AND g.prefix = v_prefix
-                              AND (g.rights = 'write' OR NOT p_write)
-                              AND pg_catalog.pg_has_role(p_role, g.role, 'MEMBER'));
+        -- NULL when no grant has this prefix; else whether one admits p_role.
+        SELECT bool_or((g.rights = 'write' OR NOT p_write) AND pg_catalog.pg_has_role(p_role, g.role, 'MEMBER'))
+          INTO v_allowed
+          FROM pgbroker.name_grant g
+         WHERE g.kind = p_kind AND g.prefix = pg_catalog.left(p_name, p_lengths[i]);
+        IF v_allowed IS NOT NULL THEN
+            RETURN v_allowed;
         END IF;
     END LOOP;
     RETURN true;   -- no grant covers the name

@@ -51,7 +51,7 @@ alternately with it (ratio = pgbroker's throughput / the floor's):
    engine *re-created* from its source (rate-sync needs Python 3.12; see
    ``kind_ratesync``), and limits' moving window on a local redis-server.
 
-7. Authority per name (``--only authority``, about 40 s): the lock cycle through
+7. Authority per name (``--only authority``, about 100 s): the lock cycle through
    SQL, KV compare-and-set and ``counter_add``, 1 process, by a login role that
    is a member of pgbroker_user, on names a grant covers, with 0, 1 and 1,000
    grants of that kind defined (three databases of the same server, measured
@@ -66,6 +66,7 @@ the operations done.  Loopback only; every measurement bounded in time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -109,10 +110,11 @@ class Settings:
     rounds: int = 2  # alternating rounds per variant
     wakeups: int = 40  # release -> waiter samples per variant
     rl_seconds: float = 1.0  # per round and variant, rate limits (part 6)
+    auth_rounds: int = 5  # alternating rounds per variant, authority (part 7): its differences are a few percent
 
     @classmethod
     def quick(cls) -> Settings:
-        return cls(seconds=0.7, rounds=1, wakeups=10, rl_seconds=0.5)
+        return cls(seconds=0.7, rounds=1, wakeups=10, rl_seconds=0.5, auth_rounds=1)
 
 
 @dataclass
@@ -664,6 +666,7 @@ def setup_authority(server: EmbeddedPostgres) -> dict[int, str]:
 def bench_authority(server: EmbeddedPostgres, cfg: Settings, server_cpu: ServerCpu, results: Results) -> None:
     """Part 7: each call with 0, 1 and 1,000 grants of its kind, alternately; the ratios against 0 grants."""
     urls = setup_authority(server)
+    cfg = dataclasses.replace(cfg, rounds=cfg.auth_rounds)
     labels = {"lock": "lock acquire+release, SQL functions", "kv": "kv_set compare-and-set", "counter": "counter_add"}
     for kind in AUTHORITY_KINDS:
         none, one, many = alternate(
