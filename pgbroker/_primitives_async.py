@@ -194,8 +194,9 @@ class AsyncLock:
             self._holds += 1
         return acquired
 
-    def _key(self) -> int | None:
-        """The cached key of the name, on an autocommit connection outside a transaction (else None)."""
+    def _key(self) -> tuple[int, int] | None:
+        """The cached key of the name and the name grants' version it was allowed under, on an autocommit
+        connection outside a transaction (else None)."""
         if not self.conn.autocommit or _in_transaction(self.conn):
             return None
         return lock_keys(self.conn).get(self.name)
@@ -207,24 +208,35 @@ class AsyncLock:
         call around it.  A session ``lock_timeout`` makes a wait that runs out
         fail with 55P03; ``lock_acquire`` then waits as documented (forever).
         """
-        key = self._key()
-        if key is None or not (wait is None or wait == timedelta(0)):
+        cached = self._key()
+        if cached is None or not (wait is None or wait == timedelta(0)):
             return None
+        key, version = cached
         try:
-            cur = await self.conn.execute(RAW_LOCK_SQL[self.shared, wait is not None], {"key": key}, prepare=True)
+            cur = await self.conn.execute(
+                RAW_LOCK_SQL[self.shared, wait is not None], {"key": key, "version": version}, prepare=True
+            )
             row = await cur.fetchone()
         except psycopg.errors.LockNotAvailable:
             return None
         except psycopg.Error as exc:
             _raise_translated(exc)
-        return wait is None or bool(row and row[0])
+        if row is None or row[0] is None:  # the name grants changed: lock_acquire decides, and the key is learnt again
+            lock_keys(self.conn).pop(self.name, None)
+            return None
+        return wait is None or bool(row[0])
 
     async def _learn_key(self) -> None:
-        """Cache the name's key once it is registered by a committed transaction (see ``pgbroker.lock_key``)."""
+        """Cache the name's key once it is registered by a committed transaction, while lock names have no grant
+        (see ``pgbroker.lock_key``)."""
         if self.conn.autocommit and not _in_transaction(self.conn) and self.name not in lock_keys(self.conn):
-            key = await _scalar(self.conn, LOCK_KEY_SQL, {"name": self.name})
-            if key is not None:
-                lock_keys(self.conn)[self.name] = key
+            try:
+                cur = await self.conn.execute(LOCK_KEY_SQL, {"name": self.name})
+                row = await cur.fetchone()
+            except psycopg.Error as exc:
+                _raise_translated(exc)
+            if row is not None and row[0] is not None and not row[2]:
+                lock_keys(self.conn)[self.name] = (row[0], row[1])
 
     async def release(self) -> None:
         """Give back one hold of a session-scoped lock (a transaction-scoped one ends with its transaction)."""
@@ -235,10 +247,10 @@ class AsyncLock:
         if self._holds == 0:
             raise PgBrokerError(f"lock {self.name!r} is not held by this object")
         self._holds -= 1
-        key = self._key()
-        if key is not None:
+        cached = self._key()
+        if cached is not None:  # giving back a hold needs no grant
             try:
-                cur = await self.conn.execute(RAW_UNLOCK_SQL[self.shared], {"key": key}, prepare=True)
+                cur = await self.conn.execute(RAW_UNLOCK_SQL[self.shared], {"key": cached[0]}, prepare=True)
                 row = await cur.fetchone()
             except psycopg.Error as exc:
                 _raise_translated(exc)

@@ -21,16 +21,30 @@ LOCK_ACQUIRE_SQL = (
     "SELECT pgbroker.lock_acquire(name => %(name)s, wait => %(wait)s, shared => %(shared)s, xact => %(xact)s)"
 )
 LOCK_RELEASE_SQL = "SELECT pgbroker.lock_release(name => %(name)s, shared => %(shared)s)"
-LOCK_KEY_SQL = "SELECT pgbroker.lock_key(name => %(name)s)"
+# The key of a name, the version of the name grants it was allowed under, and
+# whether lock names have grants (then every acquire asks lock_acquire, which
+# judges role memberships as they are now: the key is not cached).
+LOCK_KEY_SQL = (
+    "SELECT pgbroker.lock_key(name => %(name)s), v.version, 'lock' = ANY (v.kinds) FROM pgbroker.name_grants_version v"
+)
 # A session lock on a name whose key is known (pgbroker.lock_key): the very
-# advisory lock lock_acquire() takes, without the function call around it.
+# advisory lock lock_acquire() takes, without the function call around it,
+# taken only while the name grants are those the key was handed out under
+# (NULL otherwise: a grant or revoke since; lock_acquire then decides).
 LOCK_CLASS = 1885823596  # pgbroker._lock_class_lock() ('pgbl'); a test compares them
+_GRANTS_UNCHANGED = "(SELECT version FROM pgbroker.name_grants_version) = %(version)s"
 RAW_LOCK_SQL = {
     # (shared, try once)
-    (False, False): f"SELECT pg_catalog.pg_advisory_lock({LOCK_CLASS}, %(key)s) IS NULL",
-    (True, False): f"SELECT pg_catalog.pg_advisory_lock_shared({LOCK_CLASS}, %(key)s) IS NULL",
-    (False, True): f"SELECT pg_catalog.pg_try_advisory_lock({LOCK_CLASS}, %(key)s)",
-    (True, True): f"SELECT pg_catalog.pg_try_advisory_lock_shared({LOCK_CLASS}, %(key)s)",
+    (False, False): f"SELECT CASE WHEN {_GRANTS_UNCHANGED}"
+    f" THEN pg_catalog.pg_advisory_lock({LOCK_CLASS}, %(key)s) IS NULL END",
+    (True, False): f"SELECT CASE WHEN {_GRANTS_UNCHANGED}"
+    f" THEN pg_catalog.pg_advisory_lock_shared({LOCK_CLASS}, %(key)s) IS NULL END",
+    (
+        False,
+        True,
+    ): f"SELECT CASE WHEN {_GRANTS_UNCHANGED} THEN pg_catalog.pg_try_advisory_lock({LOCK_CLASS}, %(key)s) END",
+    (True, True): f"SELECT CASE WHEN {_GRANTS_UNCHANGED}"
+    f" THEN pg_catalog.pg_try_advisory_lock_shared({LOCK_CLASS}, %(key)s) END",
 }
 RAW_UNLOCK_SQL = {
     False: f"SELECT pg_catalog.pg_advisory_unlock({LOCK_CLASS}, %(key)s)",
@@ -136,15 +150,17 @@ def parse_kv_payload(payload: str) -> tuple[str, int, bool] | None:
 _VERDICTS: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
 
 
-# The lock keys of names, per connection, as pgbroker.lock_key() gave them:
-# only keys of committed registrations, which never change, so an entry never
-# goes stale.  Bounded: cleared when it grows past LOCK_KEYS_MAX names.
-_LOCK_KEYS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+# The lock keys of names, per connection, as pgbroker.lock_key() gave them,
+# with the version of the name grants they were handed out under: only keys
+# of committed registrations, which never change, while lock names have no
+# grant; a grant or revoke since makes the fast path step aside (RAW_LOCK_SQL).  Bounded: cleared when it
+# grows past LOCK_KEYS_MAX names.
+_LOCK_KEYS: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, int]]] = weakref.WeakKeyDictionary()
 LOCK_KEYS_MAX = 10_000
 
 
-def lock_keys(conn: Any) -> dict[str, int]:
-    """The cached lock keys of ``conn`` (name -> key)."""
+def lock_keys(conn: Any) -> dict[str, tuple[int, int]]:
+    """The cached lock keys of ``conn`` (name -> (key, name grants version))."""
     keys = _LOCK_KEYS.get(conn)
     if keys is None:
         keys = _LOCK_KEYS[conn] = {}

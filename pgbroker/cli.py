@@ -897,7 +897,8 @@ def doctor(url: str | None, as_json: bool) -> int:
 
     Checks: schema version against this package, roles and grants, keepalive
     settings, a transaction-mode pooler on the way, NOTIFY queue usage,
-    outbox lag, triggers of watched tables, brokers whose holder is gone.
+    outbox lag, triggers of watched tables, brokers whose holder is gone, what is left to sweep, and
+    sessions holding pgbroker's locks that no pgbroker record accounts for (squatters).
     """
     from pgbroker import install
 

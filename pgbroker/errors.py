@@ -3,8 +3,8 @@
 Every error pgbroker's SQL raises carries a documented SQLSTATE (sql/README.md,
 "SQLSTATEs").  :func:`translate` turns a psycopg error into the matching
 :class:`PgBrokerError` subclass, chained to the original, without ever parsing
-message text (the one structured field read is :class:`LeaseHeld`'s DETAIL,
-a JSON object by contract).  :func:`is_session_lost` says which errors mean
+message text (the structured fields read are the DETAIL of :class:`LeaseHeld` and
+:class:`PermissionDenied`, JSON objects by contract).  :func:`is_session_lost` says which errors mean
 the broker session (and so its lease) is gone, and :func:`schema_error` what
 a failed ``pgbroker.schema_version()`` means.
 """
@@ -112,7 +112,29 @@ class LeaseLost(PgBrokerError):
 
 
 class PermissionDenied(PgBrokerError):
-    """42501: the role lacks the pgbroker role the operation needs (for example takeover)."""
+    """42501: the role lacks the pgbroker role the operation needs (for example takeover), or a name
+    grant refuses it the name.
+
+    For a name grant's refusal, from the JSON object in ``detail``: ``kind``
+    (lease, lock, semaphore, kv, counter, rate_limit), ``name``, ``role`` (the
+    session's login role) and ``rights`` (``read`` or ``write``, what it
+    lacked); all None for the other refusals.
+    """
+
+    kind: str | None
+    name: str | None
+    role: str | None
+    rights: str | None
+
+    def __init__(
+        self, message: str, *, sqlstate: str | None = None, detail: str | None = None, hint: str | None = None
+    ):
+        super().__init__(message, sqlstate=sqlstate, detail=detail, hint=hint)
+        fields = _json_object(detail)
+        self.kind = _typed(fields.get("kind"), str)
+        self.name = _typed(fields.get("name"), str)
+        self.role = _typed(fields.get("role"), str)
+        self.rights = _typed(fields.get("rights"), str)
 
 
 class InvalidArgument(PgBrokerError):

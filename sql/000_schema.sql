@@ -2,7 +2,8 @@
 --
 -- Files in sql/ are loaded in name order and together hold the current
 -- definition of every pgbroker object, each defined once, one area per file:
---   000 schema, roles, version     100 the lease        200 clients
+--   000 schema, roles, version     050 authority per name
+--   100 the lease                  200 clients
 --   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
 --   550 sweeping earlier epochs    600 triggers, watch()
 --   650 named locks                660 semaphores       670 key-value store

@@ -842,6 +842,7 @@ DECLARE
     v_name text := pgbroker._check_name(broker_claim.name);
     v_terminated integer;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, true);
     PERFORM pgbroker._wait_ms(broker_claim.wait);
     IF pg_is_in_recovery() THEN
         RAISE EXCEPTION 'cannot claim lease "%" on a standby: this server is in recovery', v_name
@@ -942,6 +943,7 @@ DECLARE
     v_name text := pgbroker._check_name(broker_renew.name);
     v_expires timestamptz;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, true);
     IF broker_renew.ttl IS NOT NULL AND broker_renew.ttl <= '0'::interval THEN
         RAISE EXCEPTION 'ttl must be positive, got %', broker_renew.ttl USING ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -973,6 +975,7 @@ DECLARE
     v_name text := pgbroker._check_name(broker_heartbeat.name);
     v_at timestamptz;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, true);
     UPDATE pgbroker.lease
        SET heartbeat_at = clock_timestamp()
      WHERE lease.name = v_name
@@ -1003,6 +1006,7 @@ DECLARE
     v_name text := pgbroker._check_name(broker_assert.name);
     v_lease pgbroker.lease;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, false);
     IF broker_assert.epoch IS NULL THEN
         RAISE EXCEPTION 'epoch must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
@@ -1047,7 +1051,8 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT coalesce((SELECT pgbroker._lease_live(l) FROM pgbroker.lease l WHERE l.name = broker_alive.name), false)
+    SELECT pgbroker._name_check('lease', broker_alive.name, false);
+    SELECT coalesce((SELECT pgbroker._lease_live(l) FROM pgbroker.lease l WHERE l.name = broker_alive.name), false);
 $$;
 CREATE FUNCTION pgbroker.lease_expiry_check(name text DEFAULT NULL)
 RETURNS integer
@@ -1057,7 +1062,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF lease_expiry_check.name IS NOT NULL THEN
-        PERFORM pgbroker._check_name(lease_expiry_check.name);
+        PERFORM pgbroker._name_check('lease', pgbroker._check_name(lease_expiry_check.name), false);
     END IF;
     RETURN pgbroker._lease_expire(lease_expiry_check.name);
 END
@@ -1080,8 +1085,9 @@ AS $$
 DECLARE
     v_epoch bigint;
 BEGIN
+    PERFORM pgbroker._name_check('lease', pgbroker._check_name(p_name), true);
     SELECT epoch INTO v_epoch FROM pgbroker.lease
-     WHERE name = pgbroker._check_name(p_name)
+     WHERE name = p_name
        AND state = 'held'
        AND expires_at IS NULL   -- a session lease; a TTL holder passes its epoch instead
        AND holder_pid = pg_backend_pid()

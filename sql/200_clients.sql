@@ -78,10 +78,13 @@ COMMENT ON FUNCTION pgbroker._registry_key(text) IS 'Internal: the second key of
 
 CREATE FUNCTION pgbroker.registry_channel(name text DEFAULT 'default')
 RETURNS text
-LANGUAGE sql IMMUTABLE
+LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT 'pgbroker_registry_' || md5(pgbroker._check_name(registry_channel.name)) $$;
+AS $$
+    SELECT pgbroker._name_check('lease', pgbroker._check_name(registry_channel.name), false);
+    SELECT 'pgbroker_registry_' || md5(registry_channel.name);
+$$;
 COMMENT ON FUNCTION pgbroker.registry_channel(text) IS
 $$The channel registry events of broker NAME are announced on while a session watches (registry_watch_begin): 'pgbroker_registry_' and a digest of the name (never user text). Payload: a JSON object with event (register, update, unregister, subscribe, unsubscribe), name, epoch, client_id, and info (register, update; left out over 4,000 bytes) or table and key (subscribe, unsubscribe; key null: the whole table).$$;
 
@@ -94,6 +97,7 @@ AS $$
 DECLARE
     v_key integer := pgbroker._registry_key(pgbroker._check_name(registry_watch_begin.name));
 BEGIN
+    PERFORM pgbroker._name_check('lease', registry_watch_begin.name, false);
     PERFORM pg_advisory_lock_shared(pgbroker._lock_class_registry(), v_key);
     PERFORM set_config('pgbroker.registry_watching', 'on', false);   -- this session's own changes: see _registry_watched
     -- Wait for the changes that looked for watchers before we registered.
@@ -164,8 +168,9 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF p_epoch IS NULL THEN
-        RETURN pgbroker._holder_epoch(p_name);
+        RETURN pgbroker._holder_epoch(p_name);   -- (which checks the name grants)
     END IF;
+    PERFORM pgbroker._name_check('lease', p_name, true);
     PERFORM pgbroker.broker_assert(p_name, p_epoch);
     RETURN p_epoch;
 END

@@ -80,7 +80,8 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT 'pgbroker_wakeup_' || lock_key FROM pgbroker.lease WHERE lease.name = wakeup_channel.name
+    SELECT pgbroker._name_check('lease', wakeup_channel.name, false);
+    SELECT 'pgbroker_wakeup_' || lock_key FROM pgbroker.lease WHERE lease.name = wakeup_channel.name;
 $$;
 COMMENT ON FUNCTION pgbroker.wakeup_channel(text) IS
 $$The LISTEN channel on which the broker of lease NAME is woken: 'pgbroker_wakeup_' followed by the lease's number
@@ -275,6 +276,7 @@ DECLARE
     v_epoch bigint;
     v_floor bigint;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, true);
     SELECT l.epoch INTO v_epoch FROM pgbroker.lease l
      WHERE l.name = v_name AND l.state = 'held' AND l.expires_at IS NULL
        AND l.holder_pid = pg_backend_pid() AND l.holder_backend_start = pgbroker._my_backend_start();

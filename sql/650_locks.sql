@@ -143,6 +143,7 @@ BEGIN
     IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
         PERFORM pgbroker._check_key(v_name, 'lock name');   -- 22023 with its message
     END IF;
+    PERFORM pgbroker._name_check('lock', v_name, true);
     IF lock_acquire.shared IS NULL OR lock_acquire.xact IS NULL THEN
         RAISE EXCEPTION 'shared and xact must not be NULL' USING ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -263,9 +264,10 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+    SELECT pgbroker._name_check('lock', pgbroker._check_key(lock_key.name, 'lock name'), true);
     SELECT l.key FROM pgbroker.lock_name l
-     WHERE l.name = pgbroker._check_key(lock_key.name, 'lock name')
-       AND l.registered_xid IS DISTINCT FROM pg_current_xact_id_if_assigned()
+     WHERE l.name = lock_key.name
+       AND l.registered_xid IS DISTINCT FROM pg_current_xact_id_if_assigned();
 $$;
 COMMENT ON FUNCTION pgbroker.lock_key(text) IS
 $$The advisory lock of named lock NAME is (1885823596, lock_key(NAME)) in the two-int4 form: the same lock lock_acquire(NAME) takes, for pg_locks or for a client that caches the key.

@@ -134,10 +134,13 @@ COMMENT ON FUNCTION pgbroker._semaphore_keys(text, integer, interval) IS
 -- would only wake each other's waiters for nothing.
 CREATE FUNCTION pgbroker.semaphore_channel(name text)
 RETURNS text
-LANGUAGE sql IMMUTABLE
+LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT 'pgbroker_semaphore_' || md5(pgbroker._check_key(semaphore_channel.name, 'semaphore name')) $$;
+AS $$
+    SELECT pgbroker._name_check('semaphore', pgbroker._check_key(semaphore_channel.name, 'semaphore name'), false);
+    SELECT 'pgbroker_semaphore_' || md5(semaphore_channel.name);
+$$;
 COMMENT ON FUNCTION pgbroker.semaphore_channel(text) IS
     'The channel semaphore_release(NAME) notifies (payload: the permit number): LISTEN on it before trying semaphore_acquire(NAME, limit, ''0''), then wait for a notification and try again.';
 
@@ -165,6 +168,7 @@ BEGIN
     IF semaphore_acquire.wait < '0'::interval THEN
         PERFORM pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 with its message
     END IF;
+    PERFORM pgbroker._name_check('semaphore', v_name, true);
     IF semaphore_acquire."limit" IS NULL OR semaphore_acquire."limit" < 1 OR semaphore_acquire."limit" > 1000 THEN
         RAISE EXCEPTION 'semaphore limit must be 1 to 1000, got %', coalesce(semaphore_acquire."limit"::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
@@ -254,7 +258,8 @@ BEGIN
         -- The hot path: no permit registered by this open transaction.
         FOR i IN 1 .. cardinality(v_keys) LOOP
             IF pg_advisory_unlock(pgbroker._lock_class_permit(), v_keys[i]) THEN
-                -- semaphore_channel(v_name), without its call and settings frame
+                -- semaphore_channel(v_name), without its call, settings frame and name check
+                -- (giving back needs no grant)
                 PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permits[i]::text);
                 RETURN true;
             END IF;
@@ -269,7 +274,7 @@ BEGIN
                 RETURN true;
             END IF;
         ELSIF pg_advisory_unlock(pgbroker._lock_class_permit(), v_permit.key) THEN
-            PERFORM pg_notify(pgbroker.semaphore_channel(v_name), v_permit.permit::text);
+            PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permit.permit::text);   -- as above
             RETURN true;
         END IF;
     END LOOP;

@@ -126,6 +126,7 @@ AS $$
 DECLARE
     v_key text := pgbroker._check_key(kv_get.key, 'key');
 BEGIN
+    PERFORM pgbroker._name_check('kv', v_key, false);
     RETURN QUERY
     SELECT e.value, e.version, e.expires_at FROM pgbroker.kv_entry e
      WHERE e.key = v_key
@@ -147,6 +148,7 @@ DECLARE
     v_expires timestamptz;
     v_new bigint;
 BEGIN
+    PERFORM pgbroker._name_check('kv', v_key, true);
     IF kv_set.value IS NULL THEN
         RAISE EXCEPTION 'value must not be NULL (use kv_delete, or the JSON null ''null''::jsonb)'
             USING ERRCODE = 'null_value_not_allowed';
@@ -196,6 +198,7 @@ DECLARE
     v_now timestamptz := clock_timestamp();
     v_live boolean;
 BEGIN
+    PERFORM pgbroker._name_check('kv', v_key, true);
     DELETE FROM pgbroker.kv_entry e
      WHERE e.key = v_key AND (kv_delete.version IS NULL OR e.version = kv_delete.version)
     RETURNING e.expires_at IS NULL OR e.expires_at > v_now INTO v_live;

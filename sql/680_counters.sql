@@ -23,11 +23,12 @@ AS $$
 DECLARE
     v_value bigint;
 BEGIN
+    PERFORM pgbroker._name_check('counter', pgbroker._check_key(counter_add.name, 'counter name'), true);
     IF counter_add.delta IS NULL THEN
         RAISE EXCEPTION 'delta must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
     INSERT INTO pgbroker.counter AS c (name, value)
-    VALUES (pgbroker._check_key(counter_add.name, 'counter name'), counter_add.delta)
+    VALUES (counter_add.name, counter_add.delta)
     ON CONFLICT ON CONSTRAINT counter_pkey
     DO UPDATE SET value = c.value + excluded.value, updated_at = clock_timestamp()
     RETURNING c.value INTO v_value;
@@ -43,8 +44,8 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT coalesce((SELECT c.value FROM pgbroker.counter c
-                      WHERE c.name = pgbroker._check_key(counter_get.name, 'counter name')), 0)
+    SELECT pgbroker._name_check('counter', pgbroker._check_key(counter_get.name, 'counter name'), false);
+    SELECT coalesce((SELECT c.value FROM pgbroker.counter c WHERE c.name = counter_get.name), 0);
 $$;
 COMMENT ON FUNCTION pgbroker.counter_get(text) IS 'The value of counter NAME; 0 when it does not exist.';
 
@@ -57,6 +58,7 @@ AS $$
 DECLARE
     v_name text := pgbroker._check_key(counter_set.name, 'counter name');
 BEGIN
+    PERFORM pgbroker._name_check('counter', v_name, true);
     IF counter_set.value IS NULL THEN
         RAISE EXCEPTION 'value must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;

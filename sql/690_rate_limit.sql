@@ -129,6 +129,7 @@ BEGIN
         v_reason := pgbroker._rate_limit_invalid(rate_limit.rate, rate_limit.per, rate_limit.burst, rate_limit.cost);
         RAISE EXCEPTION '%', v_reason USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM pgbroker._name_check('rate_limit', v_name, true);
     v_now := EXTRACT(epoch FROM clock_timestamp()) * 1000000000000000;
     v_t := pgbroker._rate_limit_interval(rate_limit.rate, rate_limit.per);
     v_limit := v_now + (v_burst - rate_limit.cost) * v_t;

@@ -1,5 +1,12 @@
 -- pgbroker: the views, the read-only interface for operators, frontends and
--- pgbroker_reader.  Tables are not an interface; these are.  A broker's
+-- pgbroker_reader.  Tables are not an interface; these are.  Rows about a
+-- name show only to roles that may read it by the name grants
+-- (050_authority.sql): each view filters with name_allowed(), called only
+-- when the kind has grants (else every name is readable, and the test costs
+-- the view one probe, not a call per row), and tested before anything else
+-- is computed for the row (a CASE or the WHERE of a subquery fenced by
+-- OFFSET 0, since the functions it guards refuse names one may not read).
+-- A broker's
 -- clients, subscriptions, state and outbox are shown for the lease's current
 -- epoch only: what earlier epochs left is invisible (sweep_backlog counts it).
 
@@ -25,7 +32,9 @@ SELECT l.name,
          WHERE w.locktype = 'advisory' AND NOT w.granted
            AND w.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
            AND w.classid = 1885823602::oid AND w.objid = l.lock_key::oid AND w.objsubid = 2)::integer AS waiting
-  FROM pgbroker.lease l;
+  FROM pgbroker.lease l
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', l.name));
 COMMENT ON VIEW pgbroker.brokers IS 'One row per lease name: its epoch, holder and whether the holder is alive.';
 COMMENT ON COLUMN pgbroker.brokers.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.brokers.epoch IS 'Current epoch (fencing token); 0 before the first claim.';
@@ -45,7 +54,9 @@ COMMENT ON COLUMN pgbroker.brokers.waiting IS 'Number of sessions blocked in bro
 CREATE VIEW pgbroker.lease_history AS
 SELECT id, name, epoch, event, at, pid, db_user, application, address, info,
        previous_epoch, previous_pid, previous_application, previous_address, previous_heartbeat_at, reason
-  FROM pgbroker.lease_event;
+  FROM pgbroker.lease_event
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', name));
 COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover, release and expiry, oldest first by id: who took the lease from whom, when and why. Each was announced on lease_channel() as it committed.';
 COMMENT ON COLUMN pgbroker.lease_history.id IS 'Increasing event number.';
 COMMENT ON COLUMN pgbroker.lease_history.name IS 'Lease name.';
@@ -67,7 +78,9 @@ COMMENT ON COLUMN pgbroker.lease_history.reason IS 'Why, in words.';
 CREATE VIEW pgbroker.broker_state AS
 SELECT s.name, s.epoch, s.key, s.value, s.updated_at
   FROM pgbroker.state s
-  JOIN pgbroker.lease l ON l.name = s.name AND l.epoch = s.epoch;
+  JOIN pgbroker.lease l ON l.name = s.name AND l.epoch = s.epoch
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', s.name));
 COMMENT ON VIEW pgbroker.broker_state IS 'Key/value state published by the current broker of each lease.';
 COMMENT ON COLUMN pgbroker.broker_state.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.broker_state.epoch IS 'Epoch of the broker that wrote it.';
@@ -94,7 +107,10 @@ COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscripti
 CREATE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
        CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
-  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l WHERE pgbroker.broker_alive(l.name) OFFSET 0) l  -- once per lease
+  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
+         WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+                          OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
+        OFFSET 0) l  -- once per lease
   JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch
   JOIN pgbroker.subscription s ON s.client_key = c.client_key
   JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
@@ -109,6 +125,8 @@ CREATE VIEW pgbroker.outbox_pending AS
 SELECT o.name, count(*) AS pending, min(o.at) AS oldest
   FROM pgbroker.outbox o
   JOIN pgbroker.lease l ON l.name = o.name AND l.epoch = o.epoch
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', o.name))
  GROUP BY o.name;
 COMMENT ON VIEW pgbroker.outbox_pending IS 'Undelivered notifications per broker (of its current epoch): how many and since when.';
 COMMENT ON COLUMN pgbroker.outbox_pending.name IS 'Broker (lease name).';
@@ -118,7 +136,10 @@ COMMENT ON COLUMN pgbroker.outbox_pending.oldest IS 'Statement time of the oldes
 CREATE VIEW pgbroker.clients AS
 SELECT c.name, c.epoch, c.client_id, c.info, c.registered_at, c.updated_at,
        (SELECT count(*) FROM pgbroker.subscription s WHERE s.client_key = c.client_key)::integer AS subscriptions
-  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l WHERE pgbroker.broker_alive(l.name) OFFSET 0) l  -- once per lease
+  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
+         WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+                          OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
+        OFFSET 0) l  -- once per lease
   JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch;
 COMMENT ON VIEW pgbroker.clients IS 'Clients connected to live brokers, with their broker (lease name) and epoch.';
 COMMENT ON COLUMN pgbroker.clients.name IS 'Lease name of the broker the client is connected to.';
@@ -137,7 +158,9 @@ SELECT l.name, l.epoch,
        (SELECT count(*) FROM pgbroker.interest i WHERE i.name = l.name AND i.epoch < l.epoch) AS interest,
        (SELECT count(*) FROM pgbroker.outbox o WHERE o.name = l.name AND o.epoch < l.epoch) AS outbox,
        (SELECT count(*) FROM pgbroker.state s WHERE s.name = l.name AND s.epoch < l.epoch) AS state
-  FROM pgbroker.lease l;
+  FROM pgbroker.lease l
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', l.name));
 COMMENT ON VIEW pgbroker.sweep_backlog IS
     'Per lease: the rows its earlier epochs left that broker_sweep() has yet to delete (invisible everywhere else; they only take space).';
 COMMENT ON COLUMN pgbroker.sweep_backlog.name IS 'Lease name.';
@@ -170,7 +193,9 @@ SELECT n.name,
   LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
    AND l.classid = 1885823596::oid   -- named locks ('pgbl')
-   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
+   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+   AND (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lock')
+        OR pgbroker.name_allowed('lock', n.name));
 COMMENT ON VIEW pgbroker.locks IS 'Named locks held now: one row per holder and mode, with how many sessions wait for the lock.';
 COMMENT ON COLUMN pgbroker.locks.name IS 'Lock name.';
 COMMENT ON COLUMN pgbroker.locks.mode IS 'exclusive or shared.';
@@ -197,6 +222,8 @@ SELECT p.name,
    AND l.classid = 1885823597::oid   -- semaphore permits ('pgbm')
    AND l.objid = p.key::oid
    AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'semaphore')
+        OR pgbroker.name_allowed('semaphore', p.name))
  GROUP BY p.name;
 COMMENT ON VIEW pgbroker.semaphores IS 'Semaphores: how many permits exist, how many are held and by whom.';
 COMMENT ON COLUMN pgbroker.semaphores.name IS 'Semaphore name.';
@@ -209,7 +236,8 @@ CREATE VIEW pgbroker.kv AS
 SELECT e.key, e.version, e.updated_at, e.expires_at,
        CASE WHEN pg_catalog.pg_has_role(current_user, 'pgbroker_user', 'MEMBER') THEN e.value END AS value
   FROM pgbroker.kv_entry e
- WHERE e.expires_at IS NULL OR e.expires_at > pg_catalog.clock_timestamp();
+ WHERE (e.expires_at IS NULL OR e.expires_at > pg_catalog.clock_timestamp())
+   AND (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'kv') OR pgbroker.name_allowed('kv', e.key));
 COMMENT ON VIEW pgbroker.kv IS 'Live entries of the key-value store; values only to members of pgbroker_user.';
 COMMENT ON COLUMN pgbroker.kv.key IS 'The key.';
 COMMENT ON COLUMN pgbroker.kv.version IS 'Version of its last change.';
@@ -218,7 +246,9 @@ COMMENT ON COLUMN pgbroker.kv.expires_at IS 'When it expires (NULL: never).';
 COMMENT ON COLUMN pgbroker.kv.value IS 'Its value, for members of pgbroker_user (NULL for other readers).';
 
 CREATE VIEW pgbroker.counters AS
-SELECT c.name, c.value, c.updated_at FROM pgbroker.counter c;
+SELECT c.name, c.value, c.updated_at FROM pgbroker.counter c
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'counter')
+        OR pgbroker.name_allowed('counter', c.name));
 COMMENT ON VIEW pgbroker.counters IS 'Atomic counters and their values.';
 COMMENT ON COLUMN pgbroker.counters.name IS 'Counter name.';
 COMMENT ON COLUMN pgbroker.counters.value IS 'Its value.';
@@ -237,7 +267,9 @@ SELECT s.name, s.rate, s.per, s.burst,
                             -- pgbroker._rate_limit_interval(), written out: a view's readers would need
                             -- EXECUTE on a function it calls, and internal functions are granted to nobody
                             pg_catalog.div(EXTRACT(epoch FROM s.per) * 1000000000000000 + s.rate - 1,
-                                           s.rate::numeric) AS t) c;
+                                           s.rate::numeric) AS t) c
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'rate_limit')
+        OR pgbroker.name_allowed('rate_limit', s.name));
 COMMENT ON VIEW pgbroker.rate_limits IS
     'Rate limits (rate_limit()) with the parameters of their last call: how much is available now, when they are full again, and how many calls were allowed and denied. A crash forgets them all.';
 COMMENT ON COLUMN pgbroker.rate_limits.name IS 'Rate limit name.';
@@ -250,3 +282,25 @@ COMMENT ON COLUMN pgbroker.rate_limits.allowed IS 'Calls allowed since the name 
 COMMENT ON COLUMN pgbroker.rate_limits.denied IS 'Calls denied since then.';
 COMMENT ON COLUMN pgbroker.rate_limits.last_allowed IS 'Whether the last call was allowed.';
 COMMENT ON COLUMN pgbroker.rate_limits.updated_at IS 'When the last call was decided.';
+
+-- ---------------------------------------------------------------------------
+-- Authority per name (050_authority.sql).
+
+CREATE VIEW pgbroker.name_grants AS
+SELECT g.kind, g.prefix, g.role::regrole AS role, g.rights, g.granted_at
+  FROM pgbroker.name_grant g;
+COMMENT ON VIEW pgbroker.name_grants IS
+    'Name grants: which role may read or write the names of a kind that begin with a prefix; a name that no prefix covers is anyone''s with the capability role.';
+COMMENT ON COLUMN pgbroker.name_grants.kind IS 'lease, lock, semaphore, kv, counter or rate_limit.';
+COMMENT ON COLUMN pgbroker.name_grants.prefix IS 'The names it covers begin with this ('''' covers every name).';
+COMMENT ON COLUMN pgbroker.name_grants.role IS 'The role granted (an oid, shown as a number, once the role is dropped: it then admits nobody).';
+COMMENT ON COLUMN pgbroker.name_grants.rights IS 'read, or write (which implies read).';
+COMMENT ON COLUMN pgbroker.name_grants.granted_at IS 'When it was granted or last changed.';
+
+CREATE VIEW pgbroker.name_grants_version AS
+SELECT v.version, ARRAY(SELECT k.kind FROM pgbroker.name_grant_kind k ORDER BY k.kind) AS kinds
+  FROM pgbroker.name_grant_version v;
+COMMENT ON VIEW pgbroker.name_grants_version IS
+    'A number that changes with every name_grant and name_revoke, and the kinds with grants: what a client caches about a name of a kind without grants stays valid while the number is unchanged (the Python Lock takes a lock by its cached key only then).';
+COMMENT ON COLUMN pgbroker.name_grants_version.version IS 'Grows with every grant and revoke.';
+COMMENT ON COLUMN pgbroker.name_grants_version.kinds IS 'The kinds some grant covers names of (their names are checked at every call, role memberships included).';

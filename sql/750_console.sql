@@ -2,7 +2,8 @@
 -- `pgbroker status` and `pgbroker doctor` print (they read these views, so
 -- psql and the CLI agree) and what Prometheus scrapes.  Built only on the
 -- views of 700_views.sql and on pg_catalog, never on pgbroker's tables, so
--- that a reader sees here what it may see there.
+-- that a reader sees here what it may see there (but for lock_audit, which
+-- matches pg_locks with the lock registries, as no view could).
 
 -- ---------------------------------------------------------------------------
 -- One row per broker: the lease, its clients and its outbox backlog.
@@ -42,6 +43,95 @@ COMMENT ON COLUMN pgbroker.broker_overview.outbox_backlog IS 'Notifications not 
 COMMENT ON COLUMN pgbroker.broker_overview.outbox_oldest_age IS 'Age of the oldest of them; NULL when there is none.';
 COMMENT ON COLUMN pgbroker.broker_overview.sweep_backlog IS 'Rows earlier epochs left that broker_sweep() has yet to delete (pgbroker.sweep_backlog).';
 COMMENT ON COLUMN pgbroker.broker_overview.claimed_at IS 'When the current epoch was claimed.';
+
+-- ---------------------------------------------------------------------------
+-- Locks no record accounts for.  Advisory locks have no privileges: any
+-- session can take any key of pgbroker's lock classes, squatting a named
+-- lock, a permit, a lease's lock or a table's watch lock (a denial of
+-- service; it can never make a session a lease's holder).  This lists the
+-- sessions that hold such a lock without a pgbroker record behind it: a
+-- lease lock or a broker's liveness or wake-up lock held by another session
+-- than the lease's recorded holder, a named lock or permit never registered
+-- or held by a role the name grants refuse, a lock the API only takes for a
+-- transaction held by a session outside one.  A session in the middle of a
+-- statement (a claim committing) is left out: what it holds is momentary.
+-- One whose claim sits in a transaction not yet committed is listed until it
+-- commits: its lease's lock is held, the record not yet visible.
+-- SECURITY DEFINER: pg_stat_activity shows other roles' sessions to it.
+
+CREATE FUNCTION pgbroker.lock_audit()
+RETURNS TABLE (pid integer, role name, application text, session_state text, lock_class text, key integer,
+               mode text, why text)
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT x.pid, x.role, x.application, x.session_state, x.lock_class, x.key, x.mode, x.why
+      FROM (SELECT l.pid, a.usename AS role, a.application_name AS application, a.state AS session_state,
+                   c.lock_class, l.objid::integer AS key, l.mode,
+                   CASE
+                       WHEN a.state = 'active' THEN NULL
+                       WHEN c.lock_class = 'lease' THEN
+                           CASE WHEN EXISTS (SELECT FROM pgbroker.lease r
+                                              WHERE r.lock_key = l.objid::integer AND r.state = 'held'
+                                                AND r.holder_pid = l.pid) THEN NULL
+                                ELSE 'a lease''s lock, and this session is not its recorded holder' END
+                       WHEN c.lock_class = 'lease alive' THEN
+                           CASE WHEN EXISTS (SELECT FROM pgbroker.lease r
+                                              WHERE pgbroker._epoch_key(r.epoch) = l.objid::integer
+                                                AND r.state = 'held' AND r.holder_pid = l.pid) THEN NULL
+                                ELSE 'an epoch''s liveness lock, and this session is not its holder' END
+                       WHEN c.lock_class = 'broker awake' THEN
+                           CASE WHEN EXISTS (SELECT FROM pgbroker.lease r
+                                              WHERE r.lock_key = l.objid::integer AND r.holder_pid = l.pid) THEN NULL
+                                ELSE 'a broker''s wake-up lock, and this session is not its holder' END
+                       WHEN c.lock_class = 'lock' THEN
+                           CASE WHEN n.name IS NULL THEN 'a named lock''s key that no name was given'
+                                WHEN NOT pgbroker.name_allowed('lock', n.name, 'write', a.usesysid::regrole)
+                                    THEN format('named lock "%s", which the name grants refuse to %s', n.name, a.usename)
+                           END
+                       WHEN c.lock_class = 'semaphore permit' THEN
+                           CASE WHEN sp.name IS NULL THEN 'a permit''s key that no semaphore was given'
+                                WHEN NOT pgbroker.name_allowed('semaphore', sp.name, 'write', a.usesysid::regrole)
+                                    THEN format('a permit of semaphore "%s", which the name grants refuse to %s',
+                                                sp.name, a.usename)
+                           END
+                       WHEN c.lock_class = 'kv watchers' AND l.objid = 1 THEN NULL
+                       WHEN c.lock_class = 'registry watchers' THEN NULL
+                       -- The rest pgbroker takes for a statement or a transaction only: held by
+                       -- a session outside any transaction, it is a session lock taken by hand.
+                       WHEN a.state = 'idle'
+                           THEN format('a %s lock, which pgbroker only takes inside a statement or transaction', c.lock_class)
+                   END AS why
+              FROM pg_catalog.pg_locks l
+              JOIN (VALUES (1885823602, 'lease'), (1885823592, 'lease alive'), (1885823585, 'broker awake'),
+                           (1885823607, 'broker drain'), (1885823603, 'table watch'), (1885823596, 'lock'),
+                           (1885823597, 'semaphore permit'), (1885823595, 'kv watchers'),
+                           (1885823591, 'registry watchers'), (1885823590, 'registry writes'))
+                   AS c(classid, lock_class) ON c.classid = l.classid::bigint
+              LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+              LEFT JOIN pgbroker.lock_name n ON c.lock_class = 'lock' AND n.key = l.objid::integer
+              LEFT JOIN pgbroker.semaphore_permit sp ON c.lock_class = 'semaphore permit' AND sp.key = l.objid::integer
+             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+               AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database())
+               AND l.pid <> pg_backend_pid()) x
+     WHERE x.why IS NOT NULL
+$$;
+COMMENT ON FUNCTION pgbroker.lock_audit() IS
+$$The sessions holding an advisory lock of one of pgbroker's lock classes that no pgbroker record accounts for (squatters, or a client that took a lock by hand), with their role, application, state, the lock and why it is unaccounted. What the view unaccounted_locks and pgbroker doctor show.$$;
+
+CREATE VIEW pgbroker.unaccounted_locks AS
+SELECT pid, role, application, session_state, lock_class, key, mode, why FROM pgbroker.lock_audit();
+COMMENT ON VIEW pgbroker.unaccounted_locks IS
+    'Sessions holding a lock of pgbroker''s lock classes that no pgbroker record accounts for: advisory locks have no privileges, so a role can squat one (a denial of service). End such a session with pg_terminate_backend(pid).';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.pid IS 'Backend pid of the session holding it.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.role IS 'Its login role.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.application IS 'Its application_name.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.session_state IS 'Its state (idle, idle in transaction...).';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.lock_class IS 'Which of pgbroker''s locks: lease, lease alive, broker awake, broker drain, table watch, lock, semaphore permit, kv watchers, registry watchers, registry writes.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.key IS 'The second key of the advisory lock.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.mode IS 'ExclusiveLock or ShareLock.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.why IS 'Why no record accounts for it.';
 
 -- ---------------------------------------------------------------------------
 -- Health checks that the database alone can answer.  `pgbroker doctor` adds
@@ -91,6 +181,12 @@ SELECT 'sweep', o.name,
             THEN 'nobody sweeps this lease: run pgbroker sweep, or call SELECT pgbroker.broker_sweep() until it returns 0 (the Python Broker does after its claim)' END
   FROM pgbroker.broker_overview o
 UNION ALL
+SELECT 'unaccounted_lock', pg_catalog.format('pid %s', u.pid), false,
+       pg_catalog.format('%s (role %s, application %s, %s) holds %s %s: %s', u.pid, u.role,
+                         coalesce(u.application, ''), coalesce(u.session_state, 'state unknown'), u.lock_class, u.key, u.why),
+       'if it is not yours, end the session: SELECT pg_terminate_backend(' || u.pid || ');'
+  FROM pgbroker.unaccounted_locks u
+UNION ALL
 SELECT 'broker_alive', o.name,
        o.alive OR o.state <> 'held',
        CASE WHEN o.alive THEN pg_catalog.format('epoch %s is held by pid %s', o.epoch, o.holder_pid)
@@ -100,8 +196,8 @@ SELECT 'broker_alive', o.name,
             THEN 'no broker runs for this lease: start one (it takes over with the next epoch)' END
   FROM pgbroker.broker_overview o;
 COMMENT ON VIEW pgbroker.health IS
-    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, dead brokers. One row per check and subject; fix says what to do when ok is false.';
-COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep or broker_alive.';
+    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, locks no record accounts for, dead brokers. One row per check and subject; fix says what to do when ok is false.';
+COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep, unaccounted_lock or broker_alive.';
 COMMENT ON COLUMN pgbroker.health.subject IS 'What was checked: a lease name, a watched table, or empty.';
 COMMENT ON COLUMN pgbroker.health.ok IS 'False when something needs fixing.';
 COMMENT ON COLUMN pgbroker.health.detail IS 'What was found.';

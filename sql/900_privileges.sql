@@ -42,6 +42,9 @@ GRANT SELECT ON
     pgbroker.counters,
     pgbroker.rate_limits,
     pgbroker.sweep_backlog,
+    pgbroker.name_grants,
+    pgbroker.name_grants_version,
+    pgbroker.unaccounted_locks,
     pgbroker.broker_overview,
     pgbroker.health,
     pgbroker.metrics
@@ -52,7 +55,9 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.lease_expiry_check(text),
     pgbroker.registry_channel(text),
     pgbroker.registry_watch_begin(text),
-    pgbroker.registry_watch_end(text)
+    pgbroker.registry_watch_end(text),
+    pgbroker.name_allowed(text, text, text, regrole),
+    pgbroker.lock_audit()
 TO pgbroker_reader;
 
 -- Brokers: the lease, broker state, clients, subscriptions and delivery.
@@ -79,7 +84,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_wake(text),
     pgbroker.broker_sleep(text, interval),
     pgbroker.wakeup_channel(text),
-    pgbroker.broker_sweep(text, integer)
+    pgbroker.broker_sweep(text, integer),
+    pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_broker;
 
 -- Users: the coordination primitives.
@@ -99,10 +105,12 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.counter_add(text, bigint),
     pgbroker.counter_get(text),
     pgbroker.counter_set(text, bigint, bigint),
-    pgbroker.rate_limit(text, integer, interval, integer, integer)
+    pgbroker.rate_limit(text, integer, interval, integer, integer),
+    pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_user;
 -- ... and reads the views of the primitives (a prefix watch lists keys).
-GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters, pgbroker.rate_limits
+GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters, pgbroker.rate_limits,
+    pgbroker.name_grants_version
 TO pgbroker_user;
 
 -- Admins: watching tables and housekeeping (takeover => true is checked by
@@ -110,5 +118,7 @@ TO pgbroker_user;
 GRANT EXECUTE ON FUNCTION
     pgbroker.watch(regclass, interval),
     pgbroker.unwatch(regclass, interval),
-    pgbroker.lease_history_prune(interval)
+    pgbroker.lease_history_prune(interval),
+    pgbroker.name_grant(text, text, regrole, text),
+    pgbroker.name_revoke(text, text, regrole)
 TO pgbroker_admin;

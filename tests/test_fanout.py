@@ -253,7 +253,9 @@ def test_a_new_claim_hides_earlier_epochs_at_once_and_the_sweep_deletes_them(con
     assert reader.execute("SELECT count(*) FROM pgbroker.clients WHERE name = 'default'").fetchone()[0] == 0
     assert reader.execute("SELECT count(*) FROM pgbroker.subscriptions WHERE name = 'default'").fetchone()[0] == 0
     assert reader.execute("SELECT name FROM pgbroker.outbox_pending").fetchall() == [("other",)]
-    overview = "SELECT clients, subscriptions, outbox_backlog, sweep_backlog FROM pgbroker.broker_overview WHERE name = %s"
+    overview = (
+        "SELECT clients, subscriptions, outbox_backlog, sweep_backlog FROM pgbroker.broker_overview WHERE name = %s"
+    )
     assert reader.execute(overview, ("default",)).fetchone() == (0, 0, 0, 6)
     assert reader.execute(overview, ("other",)).fetchone() == (1, 1, 1, 0)
     # ... and a change of the row goes to no one of it (the new epoch has no subscriber yet).

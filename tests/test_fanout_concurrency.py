@@ -303,7 +303,8 @@ def test_server_crash_empties_the_outbox_and_brokers_start_a_new_epoch():
             assert claim(conn) > epoch
             assert conn.execute("SELECT count(*) FROM pgbroker.clients").fetchone() == (0,)
             assert conn.execute("SELECT count(*) FROM pgbroker.subscriptions").fetchone() == (0,)
-            assert conn.execute("SELECT pgbroker.broker_sweep()").fetchone() == (5,)  # client, 2 subscriptions, 2 interest
+            # The old epoch's rows: a client, 2 subscriptions, 2 interest.
+            assert conn.execute("SELECT pgbroker.broker_sweep()").fetchone() == (5,)
             assert conn.execute("SELECT count(*) FROM pgbroker.client").fetchone() == (0,)
             assert conn.execute("SELECT count(*) FROM pgbroker.subscription").fetchone() == (0,)
             register(conn, "c1")

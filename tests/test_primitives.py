@@ -474,7 +474,7 @@ def test_python_lock_by_cached_key(connect: Connect):
     assert lock.acquire() is True
     lock.release()
     key = one(admin, "SELECT key FROM pgbroker.lock_name WHERE name = 'cached'")
-    assert lock_keys(a) == {"cached": key}
+    assert lock_keys(a) == {"cached": (key, 0)}  # the name grants' version: none yet
     statements: list[str] = []
     a.add_notice_handler(lambda diag: statements.append(str(diag.message_primary)))
     with Lock(a, "cached", timeout=0) as held:
@@ -515,7 +515,7 @@ def test_python_lock_caches_no_key_of_a_rolled_back_registration(connect: Connec
     assert "gone" not in lock_keys(a)
     assert acquire(b, "gone") is True  # registered afresh, with a new key
     assert Lock(a, "gone", timeout=0).acquire() is False
-    assert lock_keys(a)["gone"] == one(b, "SELECT pgbroker.lock_key('gone')")
+    assert lock_keys(a)["gone"][0] == one(b, "SELECT pgbroker.lock_key('gone')")
     assert Lock(a, "gone", timeout=0).acquire() is False  # by key now: the same lock
     assert release(b, "gone") is True
     assert Lock(a, "gone", timeout=0).acquire() is True and acquire(b, "gone") is False

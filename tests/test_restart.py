@@ -126,7 +126,8 @@ def test_subscribe_many_leaves_what_the_one_row_calls_leave(connect, pg_server):
     for many in (False, True):
         su = connect("superuser")
         su.execute(
-            "TRUNCATE pgbroker.subscription, pgbroker.interest, pgbroker.client, pgbroker.lease RESTART IDENTITY CASCADE"
+            "TRUNCATE pgbroker.subscription, pgbroker.interest, pgbroker.client, pgbroker.lease"
+            " RESTART IDENTITY CASCADE"
         )
         su.execute("CREATE TABLE IF NOT EXISTS public.pair (region text, n int, PRIMARY KEY (region, n))")
         su.execute("SELECT pgbroker.watch('public.pair')")

@@ -6,7 +6,11 @@ SELECT pgbroker._set_database_search_path(false);
 
 DROP VIEW pgbroker.metrics;
 DROP VIEW pgbroker.health;
+DROP VIEW pgbroker.unaccounted_locks;
+DROP FUNCTION pgbroker.lock_audit();
 DROP VIEW pgbroker.broker_overview;
+DROP VIEW pgbroker.name_grants_version;
+DROP VIEW pgbroker.name_grants;
 DROP VIEW pgbroker.rate_limits;
 DROP VIEW pgbroker.counters;
 DROP VIEW pgbroker.kv;
@@ -159,6 +163,16 @@ DROP FUNCTION pgbroker._my_backend_start();
 DROP FUNCTION pgbroker._epoch_key(bigint);
 DROP FUNCTION pgbroker._lock_class_alive();
 DROP FUNCTION pgbroker._lock_class();
+DROP FUNCTION pgbroker.name_revoke(text, text, regrole);
+DROP FUNCTION pgbroker.name_grant(text, text, regrole, text);
+DROP FUNCTION pgbroker._name_grant_args(text, text, regrole);
+DROP FUNCTION pgbroker._name_grants_changed(text);
+DROP FUNCTION pgbroker.name_allowed(text, text, text, regrole);
+DROP FUNCTION pgbroker._name_check(text, text, boolean);
+DROP FUNCTION pgbroker._name_allowed(text, text, boolean, integer[], oid);
+DROP TABLE pgbroker.name_grant_version;
+DROP TABLE pgbroker.name_grant_kind;
+DROP TABLE pgbroker.name_grant;
 DROP FUNCTION pgbroker.schema_version();
 
 REVOKE ALL ON SCHEMA pgbroker FROM PUBLIC, pgbroker_broker, pgbroker_reader, pgbroker_user, pgbroker_admin;

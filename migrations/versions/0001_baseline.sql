@@ -6,7 +6,8 @@
 --
 -- Files in sql/ are loaded in name order and together hold the current
 -- definition of every pgbroker object, each defined once, one area per file:
---   000 schema, roles, version     100 the lease        200 clients
+--   000 schema, roles, version     050 authority per name
+--   100 the lease                  200 clients
 --   300 watched tables and keys    400 subscriptions    500 outbox, wake-ups
 --   550 sweeping earlier epochs    600 triggers, watch()
 --   650 named locks                660 semaphores       670 key-value store
@@ -112,6 +113,243 @@ COMMENT ON FUNCTION pgbroker._set_database_search_path(boolean) IS
     'Internal: append pgbroker to (true) or remove it from (false) the current database''s default search_path.';
 
 SELECT pgbroker._set_database_search_path(true);
+
+-- ===== sql/050_authority.sql =====
+
+-- pgbroker: authority per name.
+--
+-- pgbroker's roles grant capabilities: pgbroker_broker may claim leases,
+-- pgbroker_user may take locks and permits, write keys and counters, ask the
+-- rate limiter.  A name grant narrows a capability to names: it gives a role
+-- read or write on the names of one kind (lease, lock, semaphore, kv,
+-- counter, rate_limit) that begin with a prefix ('' covers every name).
+--
+-- The rule.  A name that no grant's prefix covers is anyone's: any member of
+-- the capability role may use it, as without grants.  Once grants cover it,
+-- only members of a role granted on the longest covering prefix may: with
+-- write to change state or take a lock, permit or lease, with read (or
+-- write) to read it (kv_get, counter_get, the views' rows about it).
+-- Everyone else gets 42501 naming the kind and the name, and nothing
+-- changes.  Membership is judged on the session's login role (session_user),
+-- as takeover => true is, so SET ROLE cannot widen it; prefixes compare
+-- exactly, character for character (no LIKE, no case folding: 'billing/' does
+-- not cover 'Billing/x', nor 'billing' itself).  Giving back what one holds
+-- (lock_release, semaphore_release, broker_release) needs no grant: a
+-- revocation bites at the next acquire, claim, heartbeat or renewal.
+--
+-- What this cannot enforce: advisory locks have no privileges in
+-- PostgreSQL.  Any session that can connect can take pg_advisory_lock on any
+-- key, so a hostile role can squat a named lock, a permit or a lease's lock
+-- (a denial of service) though it can never become a lease's holder (the
+-- lease row and epochs decide that).  The view unaccounted_locks
+-- (750_console.sql) and pgbroker doctor name such sessions.
+
+CREATE TABLE pgbroker.name_grant (
+    kind text NOT NULL
+        CONSTRAINT name_grant_kind_valid CHECK (kind IN ('lease', 'lock', 'semaphore', 'kv', 'counter', 'rate_limit')),
+    prefix text NOT NULL CONSTRAINT name_grant_prefix_valid CHECK (octet_length(prefix) <= 200),
+    role oid NOT NULL,
+    rights text NOT NULL CONSTRAINT name_grant_rights_valid CHECK (rights IN ('read', 'write')),
+    granted_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    PRIMARY KEY (kind, prefix, role)
+);
+COMMENT ON TABLE pgbroker.name_grant IS
+    'Name grants: which role may read or write the names of a kind that begin with a prefix. Internal: use name_grant(), name_revoke() and the view pgbroker.name_grants.';
+COMMENT ON COLUMN pgbroker.name_grant.kind IS 'lease, lock, semaphore, kv, counter or rate_limit.';
+COMMENT ON COLUMN pgbroker.name_grant.prefix IS 'The names it covers begin with this ('''' covers every name).';
+COMMENT ON COLUMN pgbroker.name_grant.role IS 'The role granted (its oid: a grant outlives a dropped role, and then admits nobody).';
+COMMENT ON COLUMN pgbroker.name_grant.rights IS 'read, or write (which implies read).';
+COMMENT ON COLUMN pgbroker.name_grant.granted_at IS 'When it was granted or last changed.';
+
+-- Per kind with grants, the lengths of its prefixes: a name's covering
+-- prefixes are then found by one index probe per length, whatever the
+-- number of grants.  No row: the kind has no grant, and a check costs one
+-- probe here.
+CREATE TABLE pgbroker.name_grant_kind (
+    kind text PRIMARY KEY,
+    lengths integer[] NOT NULL
+);
+COMMENT ON TABLE pgbroker.name_grant_kind IS
+    'Internal: per kind with grants, the distinct lengths of its prefixes (kept by name_grant and name_revoke).';
+COMMENT ON COLUMN pgbroker.name_grant_kind.kind IS 'The kind.';
+COMMENT ON COLUMN pgbroker.name_grant_kind.lengths IS 'The distinct lengths, in characters, of its grants'' prefixes.';
+
+-- A number that changes with every grant and revoke: a client that caches
+-- what a name allowed (the Python Lock caches a name's lock key) compares it
+-- before using the cache (view pgbroker.name_grants_version).
+CREATE TABLE pgbroker.name_grant_version (
+    version bigint NOT NULL,
+    singleton boolean PRIMARY KEY DEFAULT true CONSTRAINT name_grant_version_one_row CHECK (singleton)
+);
+INSERT INTO pgbroker.name_grant_version (version) VALUES (0);
+COMMENT ON TABLE pgbroker.name_grant_version IS 'Internal: one row, bumped by every name_grant and name_revoke.';
+COMMENT ON COLUMN pgbroker.name_grant_version.version IS 'Grows with every grant and revoke.';
+COMMENT ON COLUMN pgbroker.name_grant_version.singleton IS 'Always true: one row.';
+
+-- Whether role p_role (the session's login role, for the API's checks) may
+-- use p_name of kind p_kind, for writing or only reading, given the kind's
+-- prefix lengths (NULL: the kind has no grant): the prefixes of p_name of
+-- those lengths are probed longest first (one query each), and the first one
+-- with a grant decides.
+-- A dropped role's grant admits nobody (pg_has_role is false for an oid that
+-- names no role, but for superusers, who pass every check).  PL/pgSQL, so
+-- that its queries' plans are cached, each an index probe.  p_role is an
+-- oid, not a name: an argument of type name (collation "C") would make the
+-- call's collation "C", every text parameter's with it, and the probes unable
+-- to use the index (a scan of every grant instead).  No search_path: only
+-- functions with a pinned one call it, and every name in it is qualified.
+CREATE FUNCTION pgbroker._name_allowed(p_kind text, p_name text, p_write boolean, p_lengths integer[], p_role oid)
+RETURNS boolean
+LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    v_length integer := pg_catalog.length(p_name);
+    v_allowed boolean;
+BEGIN
+    IF p_lengths IS NULL THEN
+        RETURN true;
+    END IF;
+    FOR i IN REVERSE pg_catalog.cardinality(p_lengths) .. 1 LOOP
+        CONTINUE WHEN p_lengths[i] > v_length;
+        -- NULL when no grant has this prefix; else whether one admits p_role.
+        SELECT bool_or((g.rights = 'write' OR NOT p_write) AND pg_catalog.pg_has_role(p_role, g.role, 'MEMBER'))
+          INTO v_allowed
+          FROM pgbroker.name_grant g
+         WHERE g.kind = p_kind AND g.prefix = pg_catalog.left(p_name, p_lengths[i]);
+        IF v_allowed IS NOT NULL THEN
+            RETURN v_allowed;
+        END IF;
+    END LOOP;
+    RETURN true;   -- no grant covers the name
+END
+$$;
+COMMENT ON FUNCTION pgbroker._name_allowed(text, text, boolean, integer[], oid) IS
+    'Internal: whether role p_role may read (p_write false) or write name p_name of kind p_kind, given the kind''s prefix lengths (NULL: no grant).';
+
+-- The check the API functions make: nothing to do (one index probe) for a
+-- kind without grants, else 42501 unless allowed.  No SET clause (see above).
+CREATE FUNCTION pgbroker._name_check(p_kind text, p_name text, p_write boolean)
+RETURNS void
+LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    v_lengths integer[];
+BEGIN
+    SELECT k.lengths INTO v_lengths FROM pgbroker.name_grant_kind k WHERE k.kind = p_kind;
+    IF v_lengths IS NOT NULL AND NOT pgbroker._name_allowed(p_kind, p_name, p_write, v_lengths,
+                                                                 SESSION_USER::text::regrole) THEN
+        RAISE EXCEPTION 'permission denied to % % "%": role % has no % grant on its longest covering prefix',
+                CASE WHEN p_write THEN 'use' ELSE 'read' END, replace(p_kind, '_', ' '), p_name, SESSION_USER,
+                CASE WHEN p_write THEN 'write' ELSE 'read' END
+            USING ERRCODE = 'insufficient_privilege',
+                  DETAIL = pg_catalog.json_build_object('kind', p_kind, 'name', p_name, 'role', SESSION_USER,
+                                                        'rights', CASE WHEN p_write THEN 'write' ELSE 'read' END)::text,
+                  HINT = 'An administrator grants it with pgbroker.name_grant(kind, prefix, role); the view pgbroker.name_grants lists the grants.';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._name_check(text, text, boolean) IS
+    'Internal: 42501 unless the session''s login role may use (p_write) or read name p_name of kind p_kind.';
+
+CREATE FUNCTION pgbroker.name_allowed(kind text, name text, rights text DEFAULT 'read', "role" regrole DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_lengths integer[];
+BEGIN
+    IF name_allowed.rights IS NULL OR name_allowed.rights NOT IN ('read', 'write') THEN
+        RAISE EXCEPTION 'rights must be read or write, got %', coalesce(name_allowed.rights, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT k.lengths INTO v_lengths FROM pgbroker.name_grant_kind k WHERE k.kind = name_allowed.kind;
+    RETURN pgbroker._name_allowed(name_allowed.kind, name_allowed.name, name_allowed.rights = 'write', v_lengths,
+                                  coalesce(name_allowed."role"::oid, SESSION_USER::text::regrole::oid));
+END
+$$;
+COMMENT ON FUNCTION pgbroker.name_allowed(text, text, text, regrole) IS
+$$Whether ROLE (default: this session's login role) may read (RIGHTS 'read') or use ('write') NAME of KIND by the name grants (the capability roles aside). The views filter their rows with it.$$;
+
+-- Changing the grants.  Each change bumps the version and recomputes its
+-- kind's prefix lengths.
+CREATE FUNCTION pgbroker._name_grants_changed(p_kind text)
+RETURNS void
+LANGUAGE sql
+AS $$
+    UPDATE pgbroker.name_grant_version SET version = version + 1;
+    DELETE FROM pgbroker.name_grant_kind WHERE kind = p_kind;
+    INSERT INTO pgbroker.name_grant_kind (kind, lengths)
+    SELECT p_kind, array_agg(DISTINCT pg_catalog.length(g.prefix) ORDER BY pg_catalog.length(g.prefix))
+      FROM pgbroker.name_grant g WHERE g.kind = p_kind
+    HAVING count(*) > 0;
+$$;
+COMMENT ON FUNCTION pgbroker._name_grants_changed(text) IS
+    'Internal: after a grant or revoke of kind p_kind, bump the version and recompute the kind''s prefix lengths.';
+
+CREATE FUNCTION pgbroker._name_grant_args(p_kind text, p_prefix text, p_role regrole)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF p_kind IS NULL OR p_prefix IS NULL OR p_role IS NULL THEN
+        RAISE EXCEPTION 'kind, prefix and role must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF p_kind NOT IN ('lease', 'lock', 'semaphore', 'kv', 'counter', 'rate_limit') THEN
+        RAISE EXCEPTION 'unknown kind "%": one of lease, lock, semaphore, kv, counter, rate_limit', p_kind
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF pg_catalog.octet_length(p_prefix) > 200 THEN
+        RAISE EXCEPTION 'prefix is too long: % bytes, at most 200', pg_catalog.octet_length(p_prefix)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._name_grant_args(text, text, regrole) IS
+    'Internal: check the arguments of name_grant and name_revoke (22004 for a NULL, 22023 for an unknown kind or a prefix over 200 bytes).';
+
+CREATE FUNCTION pgbroker.name_grant(kind text, prefix text, "role" regrole, rights text DEFAULT 'write')
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM pgbroker._name_grant_args(name_grant.kind, name_grant.prefix, name_grant."role");
+    IF name_grant.rights IS NULL OR name_grant.rights NOT IN ('read', 'write') THEN
+        RAISE EXCEPTION 'rights must be read or write, got %', coalesce(name_grant.rights, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO pgbroker.name_grant AS g (kind, prefix, role, rights)
+    VALUES (name_grant.kind, name_grant.prefix, name_grant."role", name_grant.rights)
+    ON CONFLICT ON CONSTRAINT name_grant_pkey DO UPDATE SET rights = excluded.rights, granted_at = excluded.granted_at;
+    PERFORM pgbroker._name_grants_changed(name_grant.kind);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.name_grant(text, text, regrole, text) IS
+$$Admin: give ROLE RIGHTS (read, or write which implies read; default write) on the names of KIND (lease, lock, semaphore, kv, counter, rate_limit) that begin with PREFIX ('' : every name). Granting again replaces the rights.
+From then on a name PREFIX covers may be used only by members (judged on the session's login role) of the roles granted on its longest covering prefix; others get 42501. A name no grant covers stays anyone's with the capability role. Takes effect at commit, for the next call.$$;
+
+CREATE FUNCTION pgbroker.name_revoke(kind text, prefix text, "role" regrole)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM pgbroker._name_grant_args(name_revoke.kind, name_revoke.prefix, name_revoke."role");
+    DELETE FROM pgbroker.name_grant g
+     WHERE g.kind = name_revoke.kind AND g.prefix = name_revoke.prefix AND g.role = name_revoke."role";
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM pgbroker._name_grants_changed(name_revoke.kind);
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.name_revoke(text, text, regrole) IS
+$$Admin: take back ROLE's grant on PREFIX of KIND; false when there was none. When the last grant covering a name goes, the name is anyone's with the capability role again. Takes effect at commit, for the next call (a lock or permit held stays held until given back; a lease's holder loses it at its next heartbeat or renewal).$$;
 
 -- ===== sql/100_lease.sql =====
 
@@ -959,6 +1197,7 @@ DECLARE
     v_name text := pgbroker._check_name(broker_claim.name);
     v_terminated integer;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, true);
     PERFORM pgbroker._wait_ms(broker_claim.wait);
     IF pg_is_in_recovery() THEN
         RAISE EXCEPTION 'cannot claim lease "%" on a standby: this server is in recovery', v_name
@@ -1059,6 +1298,7 @@ DECLARE
     v_name text := pgbroker._check_name(broker_renew.name);
     v_expires timestamptz;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, true);
     IF broker_renew.ttl IS NOT NULL AND broker_renew.ttl <= '0'::interval THEN
         RAISE EXCEPTION 'ttl must be positive, got %', broker_renew.ttl USING ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -1090,6 +1330,7 @@ DECLARE
     v_name text := pgbroker._check_name(broker_heartbeat.name);
     v_at timestamptz;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, true);
     UPDATE pgbroker.lease
        SET heartbeat_at = clock_timestamp()
      WHERE lease.name = v_name
@@ -1120,6 +1361,7 @@ DECLARE
     v_name text := pgbroker._check_name(broker_assert.name);
     v_lease pgbroker.lease;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, false);
     IF broker_assert.epoch IS NULL THEN
         RAISE EXCEPTION 'epoch must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
@@ -1164,7 +1406,8 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT coalesce((SELECT pgbroker._lease_live(l) FROM pgbroker.lease l WHERE l.name = broker_alive.name), false)
+    SELECT pgbroker._name_check('lease', broker_alive.name, false);
+    SELECT coalesce((SELECT pgbroker._lease_live(l) FROM pgbroker.lease l WHERE l.name = broker_alive.name), false);
 $$;
 CREATE FUNCTION pgbroker.lease_expiry_check(name text DEFAULT NULL)
 RETURNS integer
@@ -1174,7 +1417,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF lease_expiry_check.name IS NOT NULL THEN
-        PERFORM pgbroker._check_name(lease_expiry_check.name);
+        PERFORM pgbroker._name_check('lease', pgbroker._check_name(lease_expiry_check.name), false);
     END IF;
     RETURN pgbroker._lease_expire(lease_expiry_check.name);
 END
@@ -1197,8 +1440,9 @@ AS $$
 DECLARE
     v_epoch bigint;
 BEGIN
+    PERFORM pgbroker._name_check('lease', pgbroker._check_name(p_name), true);
     SELECT epoch INTO v_epoch FROM pgbroker.lease
-     WHERE name = pgbroker._check_name(p_name)
+     WHERE name = p_name
        AND state = 'held'
        AND expires_at IS NULL   -- a session lease; a TTL holder passes its epoch instead
        AND holder_pid = pg_backend_pid()
@@ -1353,10 +1597,13 @@ COMMENT ON FUNCTION pgbroker._registry_key(text) IS 'Internal: the second key of
 
 CREATE FUNCTION pgbroker.registry_channel(name text DEFAULT 'default')
 RETURNS text
-LANGUAGE sql IMMUTABLE
+LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT 'pgbroker_registry_' || md5(pgbroker._check_name(registry_channel.name)) $$;
+AS $$
+    SELECT pgbroker._name_check('lease', pgbroker._check_name(registry_channel.name), false);
+    SELECT 'pgbroker_registry_' || md5(registry_channel.name);
+$$;
 COMMENT ON FUNCTION pgbroker.registry_channel(text) IS
 $$The channel registry events of broker NAME are announced on while a session watches (registry_watch_begin): 'pgbroker_registry_' and a digest of the name (never user text). Payload: a JSON object with event (register, update, unregister, subscribe, unsubscribe), name, epoch, client_id, and info (register, update; left out over 4,000 bytes) or table and key (subscribe, unsubscribe; key null: the whole table).$$;
 
@@ -1369,6 +1616,7 @@ AS $$
 DECLARE
     v_key integer := pgbroker._registry_key(pgbroker._check_name(registry_watch_begin.name));
 BEGIN
+    PERFORM pgbroker._name_check('lease', registry_watch_begin.name, false);
     PERFORM pg_advisory_lock_shared(pgbroker._lock_class_registry(), v_key);
     PERFORM set_config('pgbroker.registry_watching', 'on', false);   -- this session's own changes: see _registry_watched
     -- Wait for the changes that looked for watchers before we registered.
@@ -1439,8 +1687,9 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF p_epoch IS NULL THEN
-        RETURN pgbroker._holder_epoch(p_name);
+        RETURN pgbroker._holder_epoch(p_name);   -- (which checks the name grants)
     END IF;
+    PERFORM pgbroker._name_check('lease', p_name, true);
     PERFORM pgbroker.broker_assert(p_name, p_epoch);
     RETURN p_epoch;
 END
@@ -2319,7 +2568,8 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT 'pgbroker_wakeup_' || lock_key FROM pgbroker.lease WHERE lease.name = wakeup_channel.name
+    SELECT pgbroker._name_check('lease', wakeup_channel.name, false);
+    SELECT 'pgbroker_wakeup_' || lock_key FROM pgbroker.lease WHERE lease.name = wakeup_channel.name;
 $$;
 COMMENT ON FUNCTION pgbroker.wakeup_channel(text) IS
 $$The LISTEN channel on which the broker of lease NAME is woken: 'pgbroker_wakeup_' followed by the lease's number
@@ -2514,6 +2764,7 @@ DECLARE
     v_epoch bigint;
     v_floor bigint;
 BEGIN
+    PERFORM pgbroker._name_check('lease', v_name, true);
     SELECT l.epoch INTO v_epoch FROM pgbroker.lease l
      WHERE l.name = v_name AND l.state = 'held' AND l.expires_at IS NULL
        AND l.holder_pid = pg_backend_pid() AND l.holder_backend_start = pgbroker._my_backend_start();
@@ -3400,6 +3651,7 @@ BEGIN
     IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
         PERFORM pgbroker._check_key(v_name, 'lock name');   -- 22023 with its message
     END IF;
+    PERFORM pgbroker._name_check('lock', v_name, true);
     IF lock_acquire.shared IS NULL OR lock_acquire.xact IS NULL THEN
         RAISE EXCEPTION 'shared and xact must not be NULL' USING ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -3520,9 +3772,10 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+    SELECT pgbroker._name_check('lock', pgbroker._check_key(lock_key.name, 'lock name'), true);
     SELECT l.key FROM pgbroker.lock_name l
-     WHERE l.name = pgbroker._check_key(lock_key.name, 'lock name')
-       AND l.registered_xid IS DISTINCT FROM pg_current_xact_id_if_assigned()
+     WHERE l.name = lock_key.name
+       AND l.registered_xid IS DISTINCT FROM pg_current_xact_id_if_assigned();
 $$;
 COMMENT ON FUNCTION pgbroker.lock_key(text) IS
 $$The advisory lock of named lock NAME is (1885823596, lock_key(NAME)) in the two-int4 form: the same lock lock_acquire(NAME) takes, for pg_locks or for a client that caches the key.
@@ -3667,10 +3920,13 @@ COMMENT ON FUNCTION pgbroker._semaphore_keys(text, integer, interval) IS
 -- would only wake each other's waiters for nothing.
 CREATE FUNCTION pgbroker.semaphore_channel(name text)
 RETURNS text
-LANGUAGE sql IMMUTABLE
+LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT 'pgbroker_semaphore_' || md5(pgbroker._check_key(semaphore_channel.name, 'semaphore name')) $$;
+AS $$
+    SELECT pgbroker._name_check('semaphore', pgbroker._check_key(semaphore_channel.name, 'semaphore name'), false);
+    SELECT 'pgbroker_semaphore_' || md5(semaphore_channel.name);
+$$;
 COMMENT ON FUNCTION pgbroker.semaphore_channel(text) IS
     'The channel semaphore_release(NAME) notifies (payload: the permit number): LISTEN on it before trying semaphore_acquire(NAME, limit, ''0''), then wait for a notification and try again.';
 
@@ -3698,6 +3954,7 @@ BEGIN
     IF semaphore_acquire.wait < '0'::interval THEN
         PERFORM pgbroker._wait_ms(semaphore_acquire.wait);   -- 22023 with its message
     END IF;
+    PERFORM pgbroker._name_check('semaphore', v_name, true);
     IF semaphore_acquire."limit" IS NULL OR semaphore_acquire."limit" < 1 OR semaphore_acquire."limit" > 1000 THEN
         RAISE EXCEPTION 'semaphore limit must be 1 to 1000, got %', coalesce(semaphore_acquire."limit"::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
@@ -3787,7 +4044,8 @@ BEGIN
         -- The hot path: no permit registered by this open transaction.
         FOR i IN 1 .. cardinality(v_keys) LOOP
             IF pg_advisory_unlock(pgbroker._lock_class_permit(), v_keys[i]) THEN
-                -- semaphore_channel(v_name), without its call and settings frame
+                -- semaphore_channel(v_name), without its call, settings frame and name check
+                -- (giving back needs no grant)
                 PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permits[i]::text);
                 RETURN true;
             END IF;
@@ -3802,7 +4060,7 @@ BEGIN
                 RETURN true;
             END IF;
         ELSIF pg_advisory_unlock(pgbroker._lock_class_permit(), v_permit.key) THEN
-            PERFORM pg_notify(pgbroker.semaphore_channel(v_name), v_permit.permit::text);
+            PERFORM pg_notify('pgbroker_semaphore_' || md5(v_name), v_permit.permit::text);   -- as above
             RETURN true;
         END IF;
     END LOOP;
@@ -3942,6 +4200,7 @@ AS $$
 DECLARE
     v_key text := pgbroker._check_key(kv_get.key, 'key');
 BEGIN
+    PERFORM pgbroker._name_check('kv', v_key, false);
     RETURN QUERY
     SELECT e.value, e.version, e.expires_at FROM pgbroker.kv_entry e
      WHERE e.key = v_key
@@ -3963,6 +4222,7 @@ DECLARE
     v_expires timestamptz;
     v_new bigint;
 BEGIN
+    PERFORM pgbroker._name_check('kv', v_key, true);
     IF kv_set.value IS NULL THEN
         RAISE EXCEPTION 'value must not be NULL (use kv_delete, or the JSON null ''null''::jsonb)'
             USING ERRCODE = 'null_value_not_allowed';
@@ -4012,6 +4272,7 @@ DECLARE
     v_now timestamptz := clock_timestamp();
     v_live boolean;
 BEGIN
+    PERFORM pgbroker._name_check('kv', v_key, true);
     DELETE FROM pgbroker.kv_entry e
      WHERE e.key = v_key AND (kv_delete.version IS NULL OR e.version = kv_delete.version)
     RETURNING e.expires_at IS NULL OR e.expires_at > v_now INTO v_live;
@@ -4051,11 +4312,12 @@ AS $$
 DECLARE
     v_value bigint;
 BEGIN
+    PERFORM pgbroker._name_check('counter', pgbroker._check_key(counter_add.name, 'counter name'), true);
     IF counter_add.delta IS NULL THEN
         RAISE EXCEPTION 'delta must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
     INSERT INTO pgbroker.counter AS c (name, value)
-    VALUES (pgbroker._check_key(counter_add.name, 'counter name'), counter_add.delta)
+    VALUES (counter_add.name, counter_add.delta)
     ON CONFLICT ON CONSTRAINT counter_pkey
     DO UPDATE SET value = c.value + excluded.value, updated_at = clock_timestamp()
     RETURNING c.value INTO v_value;
@@ -4071,8 +4333,8 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT coalesce((SELECT c.value FROM pgbroker.counter c
-                      WHERE c.name = pgbroker._check_key(counter_get.name, 'counter name')), 0)
+    SELECT pgbroker._name_check('counter', pgbroker._check_key(counter_get.name, 'counter name'), false);
+    SELECT coalesce((SELECT c.value FROM pgbroker.counter c WHERE c.name = counter_get.name), 0);
 $$;
 COMMENT ON FUNCTION pgbroker.counter_get(text) IS 'The value of counter NAME; 0 when it does not exist.';
 
@@ -4085,6 +4347,7 @@ AS $$
 DECLARE
     v_name text := pgbroker._check_key(counter_set.name, 'counter name');
 BEGIN
+    PERFORM pgbroker._name_check('counter', v_name, true);
     IF counter_set.value IS NULL THEN
         RAISE EXCEPTION 'value must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
@@ -4237,6 +4500,7 @@ BEGIN
         v_reason := pgbroker._rate_limit_invalid(rate_limit.rate, rate_limit.per, rate_limit.burst, rate_limit.cost);
         RAISE EXCEPTION '%', v_reason USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM pgbroker._name_check('rate_limit', v_name, true);
     v_now := EXTRACT(epoch FROM clock_timestamp()) * 1000000000000000;
     v_t := pgbroker._rate_limit_interval(rate_limit.rate, rate_limit.per);
     v_limit := v_now + (v_burst - rate_limit.cost) * v_t;
@@ -4271,7 +4535,14 @@ The state is UNLOGGED: a crash (or failover) forgets it and every limit starts f
 -- ===== sql/700_views.sql =====
 
 -- pgbroker: the views, the read-only interface for operators, frontends and
--- pgbroker_reader.  Tables are not an interface; these are.  A broker's
+-- pgbroker_reader.  Tables are not an interface; these are.  Rows about a
+-- name show only to roles that may read it by the name grants
+-- (050_authority.sql): each view filters with name_allowed(), called only
+-- when the kind has grants (else every name is readable, and the test costs
+-- the view one probe, not a call per row), and tested before anything else
+-- is computed for the row (a CASE or the WHERE of a subquery fenced by
+-- OFFSET 0, since the functions it guards refuse names one may not read).
+-- A broker's
 -- clients, subscriptions, state and outbox are shown for the lease's current
 -- epoch only: what earlier epochs left is invisible (sweep_backlog counts it).
 
@@ -4297,7 +4568,9 @@ SELECT l.name,
          WHERE w.locktype = 'advisory' AND NOT w.granted
            AND w.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
            AND w.classid = 1885823602::oid AND w.objid = l.lock_key::oid AND w.objsubid = 2)::integer AS waiting
-  FROM pgbroker.lease l;
+  FROM pgbroker.lease l
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', l.name));
 COMMENT ON VIEW pgbroker.brokers IS 'One row per lease name: its epoch, holder and whether the holder is alive.';
 COMMENT ON COLUMN pgbroker.brokers.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.brokers.epoch IS 'Current epoch (fencing token); 0 before the first claim.';
@@ -4317,7 +4590,9 @@ COMMENT ON COLUMN pgbroker.brokers.waiting IS 'Number of sessions blocked in bro
 CREATE VIEW pgbroker.lease_history AS
 SELECT id, name, epoch, event, at, pid, db_user, application, address, info,
        previous_epoch, previous_pid, previous_application, previous_address, previous_heartbeat_at, reason
-  FROM pgbroker.lease_event;
+  FROM pgbroker.lease_event
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', name));
 COMMENT ON VIEW pgbroker.lease_history IS 'Every claim, takeover, release and expiry, oldest first by id: who took the lease from whom, when and why. Each was announced on lease_channel() as it committed.';
 COMMENT ON COLUMN pgbroker.lease_history.id IS 'Increasing event number.';
 COMMENT ON COLUMN pgbroker.lease_history.name IS 'Lease name.';
@@ -4339,7 +4614,9 @@ COMMENT ON COLUMN pgbroker.lease_history.reason IS 'Why, in words.';
 CREATE VIEW pgbroker.broker_state AS
 SELECT s.name, s.epoch, s.key, s.value, s.updated_at
   FROM pgbroker.state s
-  JOIN pgbroker.lease l ON l.name = s.name AND l.epoch = s.epoch;
+  JOIN pgbroker.lease l ON l.name = s.name AND l.epoch = s.epoch
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', s.name));
 COMMENT ON VIEW pgbroker.broker_state IS 'Key/value state published by the current broker of each lease.';
 COMMENT ON COLUMN pgbroker.broker_state.name IS 'Lease name.';
 COMMENT ON COLUMN pgbroker.broker_state.epoch IS 'Epoch of the broker that wrote it.';
@@ -4366,7 +4643,10 @@ COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscripti
 CREATE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
        CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
-  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l WHERE pgbroker.broker_alive(l.name) OFFSET 0) l  -- once per lease
+  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
+         WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+                          OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
+        OFFSET 0) l  -- once per lease
   JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch
   JOIN pgbroker.subscription s ON s.client_key = c.client_key
   JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
@@ -4381,6 +4661,8 @@ CREATE VIEW pgbroker.outbox_pending AS
 SELECT o.name, count(*) AS pending, min(o.at) AS oldest
   FROM pgbroker.outbox o
   JOIN pgbroker.lease l ON l.name = o.name AND l.epoch = o.epoch
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', o.name))
  GROUP BY o.name;
 COMMENT ON VIEW pgbroker.outbox_pending IS 'Undelivered notifications per broker (of its current epoch): how many and since when.';
 COMMENT ON COLUMN pgbroker.outbox_pending.name IS 'Broker (lease name).';
@@ -4390,7 +4672,10 @@ COMMENT ON COLUMN pgbroker.outbox_pending.oldest IS 'Statement time of the oldes
 CREATE VIEW pgbroker.clients AS
 SELECT c.name, c.epoch, c.client_id, c.info, c.registered_at, c.updated_at,
        (SELECT count(*) FROM pgbroker.subscription s WHERE s.client_key = c.client_key)::integer AS subscriptions
-  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l WHERE pgbroker.broker_alive(l.name) OFFSET 0) l  -- once per lease
+  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
+         WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+                          OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
+        OFFSET 0) l  -- once per lease
   JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch;
 COMMENT ON VIEW pgbroker.clients IS 'Clients connected to live brokers, with their broker (lease name) and epoch.';
 COMMENT ON COLUMN pgbroker.clients.name IS 'Lease name of the broker the client is connected to.';
@@ -4409,7 +4694,9 @@ SELECT l.name, l.epoch,
        (SELECT count(*) FROM pgbroker.interest i WHERE i.name = l.name AND i.epoch < l.epoch) AS interest,
        (SELECT count(*) FROM pgbroker.outbox o WHERE o.name = l.name AND o.epoch < l.epoch) AS outbox,
        (SELECT count(*) FROM pgbroker.state s WHERE s.name = l.name AND s.epoch < l.epoch) AS state
-  FROM pgbroker.lease l;
+  FROM pgbroker.lease l
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+        OR pgbroker.name_allowed('lease', l.name));
 COMMENT ON VIEW pgbroker.sweep_backlog IS
     'Per lease: the rows its earlier epochs left that broker_sweep() has yet to delete (invisible everywhere else; they only take space).';
 COMMENT ON COLUMN pgbroker.sweep_backlog.name IS 'Lease name.';
@@ -4442,7 +4729,9 @@ SELECT n.name,
   LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
    AND l.classid = 1885823596::oid   -- named locks ('pgbl')
-   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
+   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+   AND (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lock')
+        OR pgbroker.name_allowed('lock', n.name));
 COMMENT ON VIEW pgbroker.locks IS 'Named locks held now: one row per holder and mode, with how many sessions wait for the lock.';
 COMMENT ON COLUMN pgbroker.locks.name IS 'Lock name.';
 COMMENT ON COLUMN pgbroker.locks.mode IS 'exclusive or shared.';
@@ -4469,6 +4758,8 @@ SELECT p.name,
    AND l.classid = 1885823597::oid   -- semaphore permits ('pgbm')
    AND l.objid = p.key::oid
    AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'semaphore')
+        OR pgbroker.name_allowed('semaphore', p.name))
  GROUP BY p.name;
 COMMENT ON VIEW pgbroker.semaphores IS 'Semaphores: how many permits exist, how many are held and by whom.';
 COMMENT ON COLUMN pgbroker.semaphores.name IS 'Semaphore name.';
@@ -4481,7 +4772,8 @@ CREATE VIEW pgbroker.kv AS
 SELECT e.key, e.version, e.updated_at, e.expires_at,
        CASE WHEN pg_catalog.pg_has_role(current_user, 'pgbroker_user', 'MEMBER') THEN e.value END AS value
   FROM pgbroker.kv_entry e
- WHERE e.expires_at IS NULL OR e.expires_at > pg_catalog.clock_timestamp();
+ WHERE (e.expires_at IS NULL OR e.expires_at > pg_catalog.clock_timestamp())
+   AND (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'kv') OR pgbroker.name_allowed('kv', e.key));
 COMMENT ON VIEW pgbroker.kv IS 'Live entries of the key-value store; values only to members of pgbroker_user.';
 COMMENT ON COLUMN pgbroker.kv.key IS 'The key.';
 COMMENT ON COLUMN pgbroker.kv.version IS 'Version of its last change.';
@@ -4490,7 +4782,9 @@ COMMENT ON COLUMN pgbroker.kv.expires_at IS 'When it expires (NULL: never).';
 COMMENT ON COLUMN pgbroker.kv.value IS 'Its value, for members of pgbroker_user (NULL for other readers).';
 
 CREATE VIEW pgbroker.counters AS
-SELECT c.name, c.value, c.updated_at FROM pgbroker.counter c;
+SELECT c.name, c.value, c.updated_at FROM pgbroker.counter c
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'counter')
+        OR pgbroker.name_allowed('counter', c.name));
 COMMENT ON VIEW pgbroker.counters IS 'Atomic counters and their values.';
 COMMENT ON COLUMN pgbroker.counters.name IS 'Counter name.';
 COMMENT ON COLUMN pgbroker.counters.value IS 'Its value.';
@@ -4509,7 +4803,9 @@ SELECT s.name, s.rate, s.per, s.burst,
                             -- pgbroker._rate_limit_interval(), written out: a view's readers would need
                             -- EXECUTE on a function it calls, and internal functions are granted to nobody
                             pg_catalog.div(EXTRACT(epoch FROM s.per) * 1000000000000000 + s.rate - 1,
-                                           s.rate::numeric) AS t) c;
+                                           s.rate::numeric) AS t) c
+ WHERE (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'rate_limit')
+        OR pgbroker.name_allowed('rate_limit', s.name));
 COMMENT ON VIEW pgbroker.rate_limits IS
     'Rate limits (rate_limit()) with the parameters of their last call: how much is available now, when they are full again, and how many calls were allowed and denied. A crash forgets them all.';
 COMMENT ON COLUMN pgbroker.rate_limits.name IS 'Rate limit name.';
@@ -4523,13 +4819,36 @@ COMMENT ON COLUMN pgbroker.rate_limits.denied IS 'Calls denied since then.';
 COMMENT ON COLUMN pgbroker.rate_limits.last_allowed IS 'Whether the last call was allowed.';
 COMMENT ON COLUMN pgbroker.rate_limits.updated_at IS 'When the last call was decided.';
 
+-- ---------------------------------------------------------------------------
+-- Authority per name (050_authority.sql).
+
+CREATE VIEW pgbroker.name_grants AS
+SELECT g.kind, g.prefix, g.role::regrole AS role, g.rights, g.granted_at
+  FROM pgbroker.name_grant g;
+COMMENT ON VIEW pgbroker.name_grants IS
+    'Name grants: which role may read or write the names of a kind that begin with a prefix; a name that no prefix covers is anyone''s with the capability role.';
+COMMENT ON COLUMN pgbroker.name_grants.kind IS 'lease, lock, semaphore, kv, counter or rate_limit.';
+COMMENT ON COLUMN pgbroker.name_grants.prefix IS 'The names it covers begin with this ('''' covers every name).';
+COMMENT ON COLUMN pgbroker.name_grants.role IS 'The role granted (an oid, shown as a number, once the role is dropped: it then admits nobody).';
+COMMENT ON COLUMN pgbroker.name_grants.rights IS 'read, or write (which implies read).';
+COMMENT ON COLUMN pgbroker.name_grants.granted_at IS 'When it was granted or last changed.';
+
+CREATE VIEW pgbroker.name_grants_version AS
+SELECT v.version, ARRAY(SELECT k.kind FROM pgbroker.name_grant_kind k ORDER BY k.kind) AS kinds
+  FROM pgbroker.name_grant_version v;
+COMMENT ON VIEW pgbroker.name_grants_version IS
+    'A number that changes with every name_grant and name_revoke, and the kinds with grants: what a client caches about a name of a kind without grants stays valid while the number is unchanged (the Python Lock takes a lock by its cached key only then).';
+COMMENT ON COLUMN pgbroker.name_grants_version.version IS 'Grows with every grant and revoke.';
+COMMENT ON COLUMN pgbroker.name_grants_version.kinds IS 'The kinds some grant covers names of (their names are checked at every call, role memberships included).';
+
 -- ===== sql/750_console.sql =====
 
 -- pgbroker: the console.  What an operator reads at 3 a.m. in psql, what
 -- `pgbroker status` and `pgbroker doctor` print (they read these views, so
 -- psql and the CLI agree) and what Prometheus scrapes.  Built only on the
 -- views of 700_views.sql and on pg_catalog, never on pgbroker's tables, so
--- that a reader sees here what it may see there.
+-- that a reader sees here what it may see there (but for lock_audit, which
+-- matches pg_locks with the lock registries, as no view could).
 
 -- ---------------------------------------------------------------------------
 -- One row per broker: the lease, its clients and its outbox backlog.
@@ -4569,6 +4888,95 @@ COMMENT ON COLUMN pgbroker.broker_overview.outbox_backlog IS 'Notifications not 
 COMMENT ON COLUMN pgbroker.broker_overview.outbox_oldest_age IS 'Age of the oldest of them; NULL when there is none.';
 COMMENT ON COLUMN pgbroker.broker_overview.sweep_backlog IS 'Rows earlier epochs left that broker_sweep() has yet to delete (pgbroker.sweep_backlog).';
 COMMENT ON COLUMN pgbroker.broker_overview.claimed_at IS 'When the current epoch was claimed.';
+
+-- ---------------------------------------------------------------------------
+-- Locks no record accounts for.  Advisory locks have no privileges: any
+-- session can take any key of pgbroker's lock classes, squatting a named
+-- lock, a permit, a lease's lock or a table's watch lock (a denial of
+-- service; it can never make a session a lease's holder).  This lists the
+-- sessions that hold such a lock without a pgbroker record behind it: a
+-- lease lock or a broker's liveness or wake-up lock held by another session
+-- than the lease's recorded holder, a named lock or permit never registered
+-- or held by a role the name grants refuse, a lock the API only takes for a
+-- transaction held by a session outside one.  A session in the middle of a
+-- statement (a claim committing) is left out: what it holds is momentary.
+-- One whose claim sits in a transaction not yet committed is listed until it
+-- commits: its lease's lock is held, the record not yet visible.
+-- SECURITY DEFINER: pg_stat_activity shows other roles' sessions to it.
+
+CREATE FUNCTION pgbroker.lock_audit()
+RETURNS TABLE (pid integer, role name, application text, session_state text, lock_class text, key integer,
+               mode text, why text)
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT x.pid, x.role, x.application, x.session_state, x.lock_class, x.key, x.mode, x.why
+      FROM (SELECT l.pid, a.usename AS role, a.application_name AS application, a.state AS session_state,
+                   c.lock_class, l.objid::integer AS key, l.mode,
+                   CASE
+                       WHEN a.state = 'active' THEN NULL
+                       WHEN c.lock_class = 'lease' THEN
+                           CASE WHEN EXISTS (SELECT FROM pgbroker.lease r
+                                              WHERE r.lock_key = l.objid::integer AND r.state = 'held'
+                                                AND r.holder_pid = l.pid) THEN NULL
+                                ELSE 'a lease''s lock, and this session is not its recorded holder' END
+                       WHEN c.lock_class = 'lease alive' THEN
+                           CASE WHEN EXISTS (SELECT FROM pgbroker.lease r
+                                              WHERE pgbroker._epoch_key(r.epoch) = l.objid::integer
+                                                AND r.state = 'held' AND r.holder_pid = l.pid) THEN NULL
+                                ELSE 'an epoch''s liveness lock, and this session is not its holder' END
+                       WHEN c.lock_class = 'broker awake' THEN
+                           CASE WHEN EXISTS (SELECT FROM pgbroker.lease r
+                                              WHERE r.lock_key = l.objid::integer AND r.holder_pid = l.pid) THEN NULL
+                                ELSE 'a broker''s wake-up lock, and this session is not its holder' END
+                       WHEN c.lock_class = 'lock' THEN
+                           CASE WHEN n.name IS NULL THEN 'a named lock''s key that no name was given'
+                                WHEN NOT pgbroker.name_allowed('lock', n.name, 'write', a.usesysid::regrole)
+                                    THEN format('named lock "%s", which the name grants refuse to %s', n.name, a.usename)
+                           END
+                       WHEN c.lock_class = 'semaphore permit' THEN
+                           CASE WHEN sp.name IS NULL THEN 'a permit''s key that no semaphore was given'
+                                WHEN NOT pgbroker.name_allowed('semaphore', sp.name, 'write', a.usesysid::regrole)
+                                    THEN format('a permit of semaphore "%s", which the name grants refuse to %s',
+                                                sp.name, a.usename)
+                           END
+                       WHEN c.lock_class = 'kv watchers' AND l.objid = 1 THEN NULL
+                       WHEN c.lock_class = 'registry watchers' THEN NULL
+                       -- The rest pgbroker takes for a statement or a transaction only: held by
+                       -- a session outside any transaction, it is a session lock taken by hand.
+                       WHEN a.state = 'idle'
+                           THEN format('a %s lock, which pgbroker only takes inside a statement or transaction', c.lock_class)
+                   END AS why
+              FROM pg_catalog.pg_locks l
+              JOIN (VALUES (1885823602, 'lease'), (1885823592, 'lease alive'), (1885823585, 'broker awake'),
+                           (1885823607, 'broker drain'), (1885823603, 'table watch'), (1885823596, 'lock'),
+                           (1885823597, 'semaphore permit'), (1885823595, 'kv watchers'),
+                           (1885823591, 'registry watchers'), (1885823590, 'registry writes'))
+                   AS c(classid, lock_class) ON c.classid = l.classid::bigint
+              LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+              LEFT JOIN pgbroker.lock_name n ON c.lock_class = 'lock' AND n.key = l.objid::integer
+              LEFT JOIN pgbroker.semaphore_permit sp ON c.lock_class = 'semaphore permit' AND sp.key = l.objid::integer
+             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+               AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database())
+               AND l.pid <> pg_backend_pid()) x
+     WHERE x.why IS NOT NULL
+$$;
+COMMENT ON FUNCTION pgbroker.lock_audit() IS
+$$The sessions holding an advisory lock of one of pgbroker's lock classes that no pgbroker record accounts for (squatters, or a client that took a lock by hand), with their role, application, state, the lock and why it is unaccounted. What the view unaccounted_locks and pgbroker doctor show.$$;
+
+CREATE VIEW pgbroker.unaccounted_locks AS
+SELECT pid, role, application, session_state, lock_class, key, mode, why FROM pgbroker.lock_audit();
+COMMENT ON VIEW pgbroker.unaccounted_locks IS
+    'Sessions holding a lock of pgbroker''s lock classes that no pgbroker record accounts for: advisory locks have no privileges, so a role can squat one (a denial of service). End such a session with pg_terminate_backend(pid).';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.pid IS 'Backend pid of the session holding it.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.role IS 'Its login role.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.application IS 'Its application_name.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.session_state IS 'Its state (idle, idle in transaction...).';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.lock_class IS 'Which of pgbroker''s locks: lease, lease alive, broker awake, broker drain, table watch, lock, semaphore permit, kv watchers, registry watchers, registry writes.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.key IS 'The second key of the advisory lock.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.mode IS 'ExclusiveLock or ShareLock.';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.why IS 'Why no record accounts for it.';
 
 -- ---------------------------------------------------------------------------
 -- Health checks that the database alone can answer.  `pgbroker doctor` adds
@@ -4618,6 +5026,12 @@ SELECT 'sweep', o.name,
             THEN 'nobody sweeps this lease: run pgbroker sweep, or call SELECT pgbroker.broker_sweep() until it returns 0 (the Python Broker does after its claim)' END
   FROM pgbroker.broker_overview o
 UNION ALL
+SELECT 'unaccounted_lock', pg_catalog.format('pid %s', u.pid), false,
+       pg_catalog.format('%s (role %s, application %s, %s) holds %s %s: %s', u.pid, u.role,
+                         coalesce(u.application, ''), coalesce(u.session_state, 'state unknown'), u.lock_class, u.key, u.why),
+       'if it is not yours, end the session: SELECT pg_terminate_backend(' || u.pid || ');'
+  FROM pgbroker.unaccounted_locks u
+UNION ALL
 SELECT 'broker_alive', o.name,
        o.alive OR o.state <> 'held',
        CASE WHEN o.alive THEN pg_catalog.format('epoch %s is held by pid %s', o.epoch, o.holder_pid)
@@ -4627,8 +5041,8 @@ SELECT 'broker_alive', o.name,
             THEN 'no broker runs for this lease: start one (it takes over with the next epoch)' END
   FROM pgbroker.broker_overview o;
 COMMENT ON VIEW pgbroker.health IS
-    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, dead brokers. One row per check and subject; fix says what to do when ok is false.';
-COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep or broker_alive.';
+    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, locks no record accounts for, dead brokers. One row per check and subject; fix says what to do when ok is false.';
+COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep, unaccounted_lock or broker_alive.';
 COMMENT ON COLUMN pgbroker.health.subject IS 'What was checked: a lease name, a watched table, or empty.';
 COMMENT ON COLUMN pgbroker.health.ok IS 'False when something needs fixing.';
 COMMENT ON COLUMN pgbroker.health.detail IS 'What was found.';
@@ -4734,6 +5148,9 @@ GRANT SELECT ON
     pgbroker.counters,
     pgbroker.rate_limits,
     pgbroker.sweep_backlog,
+    pgbroker.name_grants,
+    pgbroker.name_grants_version,
+    pgbroker.unaccounted_locks,
     pgbroker.broker_overview,
     pgbroker.health,
     pgbroker.metrics
@@ -4744,7 +5161,9 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.lease_expiry_check(text),
     pgbroker.registry_channel(text),
     pgbroker.registry_watch_begin(text),
-    pgbroker.registry_watch_end(text)
+    pgbroker.registry_watch_end(text),
+    pgbroker.name_allowed(text, text, text, regrole),
+    pgbroker.lock_audit()
 TO pgbroker_reader;
 
 -- Brokers: the lease, broker state, clients, subscriptions and delivery.
@@ -4771,7 +5190,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_wake(text),
     pgbroker.broker_sleep(text, interval),
     pgbroker.wakeup_channel(text),
-    pgbroker.broker_sweep(text, integer)
+    pgbroker.broker_sweep(text, integer),
+    pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_broker;
 
 -- Users: the coordination primitives.
@@ -4791,10 +5211,12 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.counter_add(text, bigint),
     pgbroker.counter_get(text),
     pgbroker.counter_set(text, bigint, bigint),
-    pgbroker.rate_limit(text, integer, interval, integer, integer)
+    pgbroker.rate_limit(text, integer, interval, integer, integer),
+    pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_user;
 -- ... and reads the views of the primitives (a prefix watch lists keys).
-GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters, pgbroker.rate_limits
+GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.counters, pgbroker.rate_limits,
+    pgbroker.name_grants_version
 TO pgbroker_user;
 
 -- Admins: watching tables and housekeeping (takeover => true is checked by
@@ -4802,5 +5224,7 @@ TO pgbroker_user;
 GRANT EXECUTE ON FUNCTION
     pgbroker.watch(regclass, interval),
     pgbroker.unwatch(regclass, interval),
-    pgbroker.lease_history_prune(interval)
+    pgbroker.lease_history_prune(interval),
+    pgbroker.name_grant(text, text, regrole, text),
+    pgbroker.name_revoke(text, text, regrole)
 TO pgbroker_admin;

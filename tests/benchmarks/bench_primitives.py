@@ -3,7 +3,8 @@
     python tests/benchmarks/bench_primitives.py            # about 6 minutes
     python tests/benchmarks/bench_primitives.py --quick    # shorter runs, for a smoke test
     python tests/benchmarks/bench_primitives.py --only ratelimit   # one part (repeatable): locks, semaphores,
-                                                                   # counters, peers, breakdown, ratelimit
+                                                                   # counters, peers, breakdown, ratelimit,
+                                                                   # authority
     python -m pytest tests/benchmarks/bench_primitives.py -s -p no:cacheprovider
 
 Starts its own throwaway PostgreSQL with fsync, synchronous_commit and
@@ -50,6 +51,13 @@ alternately with it (ratio = pgbroker's throughput / the floor's):
    engine *re-created* from its source (rate-sync needs Python 3.12; see
    ``kind_ratesync``), and limits' moving window on a local redis-server.
 
+7. Authority per name (``--only authority``, about 100 s): the lock cycle through
+   SQL, KV compare-and-set and ``counter_add``, 1 process, by a login role that
+   is a member of pgbroker_user, on names a grant covers, with 0, 1 and 1,000
+   grants of that kind defined (three databases of the same server, measured
+   alternately).  Target: with 1,000 grants, at least 0.9x of the same call
+   without grants.
+
 Every figure also gives the CPU per operation: the client processes' CPU time
 plus the server's (the postmaster and all its children, from /proc), divided by
 the operations done.  Loopback only; every measurement bounded in time.
@@ -58,6 +66,7 @@ the operations done.  Loopback only; every measurement bounded in time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -90,6 +99,7 @@ LOCK_TARGET = 0.9
 SEMAPHORE_TARGET = 0.7
 COUNTER_TARGET = 0.8
 RATE_LIMIT_TARGET = 0.8
+AUTHORITY_TARGET = 0.9
 WAKE_P99_TARGET_MS = 5.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -100,10 +110,11 @@ class Settings:
     rounds: int = 2  # alternating rounds per variant
     wakeups: int = 40  # release -> waiter samples per variant
     rl_seconds: float = 1.0  # per round and variant, rate limits (part 6)
+    auth_rounds: int = 5  # alternating rounds per variant, authority (part 7): its differences are a few percent
 
     @classmethod
     def quick(cls) -> Settings:
-        return cls(seconds=0.7, rounds=1, wakeups=10, rl_seconds=0.5)
+        return cls(seconds=0.7, rounds=1, wakeups=10, rl_seconds=0.5, auth_rounds=1)
 
 
 @dataclass
@@ -588,9 +599,84 @@ def kind_limits_redis(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
     return (lambda: limiter.hit(item, "rl")), lambda: None
 
 
+# Authority per name (part 7): calls on names under 'svc7/', granted to the
+# group bench_team (of which the login role bench_svc is a member) in the
+# databases with grants.
+
+
+def kind_auth_lock(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    return _sql_pair(url, "SELECT pgbroker.lock_acquire('svc7/n')", "SELECT pgbroker.lock_release('svc7/n')")
+
+
+def kind_auth_kv(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    conn = _conn(url)
+    key = f"svc7/k{idx}"
+    version = [conn.execute("SELECT pgbroker.kv_set(%s, '{\"n\": 0}')", (key,)).fetchone()[0]]
+    value = psycopg.types.json.Jsonb({"n": 1})
+
+    def cycle() -> None:
+        new = conn.execute("SELECT pgbroker.kv_set(%s, %s, %s)", (key, value, version[0]), prepare=True).fetchone()[0]
+        assert new is not None, "compare-and-set failed with a single writer"
+        version[0] = new
+
+    return cycle, conn.close
+
+
+def kind_auth_counter(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    conn = _conn(url)
+    return (lambda: conn.execute("SELECT pgbroker.counter_add('svc7/c')", prepare=True).fetchone()), conn.close
+
+
 KINDS: dict[str, Callable[[str, int], tuple[Cycle, Callable[[], None]]]] = {
     name[len("kind_") :]: fn for name, fn in globals().items() if name.startswith("kind_")
 }
+
+
+AUTHORITY_KINDS = ("lock", "kv", "counter")
+AUTHORITY_GRANTS = (0, 1, 1000)
+
+
+def setup_authority(server: EmbeddedPostgres) -> dict[int, str]:
+    """A database per number of grants, each granting 'svc7/' of every kind measured to bench_team (and, with
+    1,000, 'svc0/' to 'svc999/' to as many roles); the URLs, as bench_svc, by number of grants."""
+    with psycopg.connect(server.url, autocommit=True) as admin:
+        admin.execute("CREATE ROLE bench_team NOLOGIN")
+        admin.execute("CREATE ROLE bench_svc LOGIN IN ROLE pgbroker_user, bench_team")
+        admin.execute(
+            "DO $$ BEGIN FOR i IN 0 .. 999 LOOP EXECUTE format('CREATE ROLE bench_r%s NOLOGIN', i); END LOOP; END $$"
+        )
+    urls = {}
+    for grants in AUTHORITY_GRANTS:
+        with psycopg.connect(server.url, autocommit=True) as admin:
+            admin.execute(f"CREATE DATABASE bench_auth{grants}")
+        install.migrate(server.url_for(f"bench_auth{grants}"))
+        with psycopg.connect(server.url_for(f"bench_auth{grants}"), autocommit=True) as conn:
+            for kind in AUTHORITY_KINDS:
+                for i in range(grants if grants > 1 else 0):
+                    role = "bench_team" if i == 7 else f"bench_r{i}"
+                    conn.execute("SELECT pgbroker.name_grant(%s, %s, %s)", (kind, f"svc{i}/", role))
+                if grants == 1:
+                    conn.execute("SELECT pgbroker.name_grant(%s, 'svc7/', 'bench_team')", (kind,))
+            count = conn.execute("SELECT count(*) FROM pgbroker.name_grant").fetchone()[0]
+            assert count == grants * len(AUTHORITY_KINDS), count
+        urls[grants] = server.url_for(f"bench_auth{grants}", user="bench_svc")
+    return urls
+
+
+def bench_authority(server: EmbeddedPostgres, cfg: Settings, server_cpu: ServerCpu, results: Results) -> None:
+    """Part 7: each call with 0, 1 and 1,000 grants of its kind, alternately; the ratios against 0 grants."""
+    urls = setup_authority(server)
+    cfg = dataclasses.replace(cfg, rounds=cfg.auth_rounds)
+    labels = {"lock": "lock acquire+release, SQL functions", "kv": "kv_set compare-and-set", "counter": "counter_add"}
+    for kind in AUTHORITY_KINDS:
+        none, one, many = alternate(
+            [f"auth_{kind}"] * len(AUTHORITY_GRANTS), [urls[g] for g in AUTHORITY_GRANTS], 1, cfg, server_cpu
+        )
+        results.compare(f"{labels[kind]}, 1 grant (against 0 grants), 1 proc", one, none, None, f"auth_{kind}_1")
+        results.compare(
+            f"{labels[kind]}, 1,000 grants (against 0 grants), 1 proc", many, none, AUTHORITY_TARGET,
+            f"auth_{kind}_1000",
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -1021,7 +1107,7 @@ def bench_rate_limits(url: str, cfg: Settings, server_cpu: ServerCpu, results: R
             )
 
 
-PARTS = ("locks", "semaphores", "counters", "peers", "breakdown", "ratelimit")
+PARTS = ("locks", "semaphores", "counters", "peers", "breakdown", "ratelimit", "authority")
 
 
 def run(cfg: Settings, only: Sequence[str] = ()) -> Results:
@@ -1135,6 +1221,9 @@ def run(cfg: Settings, only: Sequence[str] = ()) -> Results:
 
         if want("ratelimit"):
             bench_rate_limits(url, cfg, server_cpu, results)
+
+        if want("authority"):
+            bench_authority(server, cfg, server_cpu, results)
     results.figures["seconds"] = time.monotonic() - started
     results.notes.append(
         "load average at the end: {:.2f} {:.2f} {:.2f} (other work on the machine shows as noise)".format(
