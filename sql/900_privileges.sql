@@ -105,7 +105,7 @@ GRANT SELECT ON pgbroker.locks, pgbroker.semaphores, pgbroker.kv, pgbroker.count
 -- Admins: watching tables and housekeeping (takeover => true is checked by
 -- broker_claim itself: the login role must be a member of pgbroker_admin).
 GRANT EXECUTE ON FUNCTION
-    pgbroker.watch(regclass, interval),
+    pgbroker.watch(regclass, interval, text),
     pgbroker.unwatch(regclass, interval),
     pgbroker.lease_history_prune(interval)
 TO pgbroker_admin;

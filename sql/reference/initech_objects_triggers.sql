@@ -129,6 +129,7 @@ BEGIN
             PERFORM set_config('jit', v_jit, true);
         END IF;
     ELSE
+
         -- A subscribe() is under way, or the snapshot may predate one: every
         -- live broker gets the changes, their clients resolved when fetched.
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -295,6 +296,7 @@ BEGIN
             PERFORM set_config('jit', v_jit, true);
         END IF;
     ELSE
+
         -- A subscribe() is under way, or the snapshot may predate one: every
         -- live broker gets the changes, their clients resolved when fetched.
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -454,6 +456,7 @@ BEGIN
             PERFORM set_config('jit', v_jit, true);
         END IF;
     ELSE
+
         -- A subscribe() is under way, or the snapshot may predate one: every
         -- live broker gets the changes, their clients resolved when fetched.
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
