@@ -140,32 +140,29 @@ COMMENT ON FUNCTION pgbroker._watch_unresolved_template() IS
 -- Whether the holder of the broker of row {{r}} (a lease, or the interest of
 -- one of its epochs) is alive, and if so its wake-up.  Evaluated before the
 -- outbox row is written, in this order:
---   - no session holds that epoch (its alive lock is free, and this session
---     is not its holder): the broker is gone, or that epoch was replaced by
---     a new claim and its rows wait for broker_sweep(): write nothing;
---   - the broker is going to sleep (broker_sleep() holds or awaits the drain
---     lock): NOTIFY it;
---   - it sleeps (the awake lock is free): NOTIFY it, holding the drain lock
---     shared to commit, so broker_sleep() waits for this transaction or it
---     hears the NOTIFY;
---   - it is awake and draining: it will see the row.
--- A lock test and not a row a snapshot could hide: right at every isolation
+--   - the broker is going to sleep (broker_sleep() holds the drain lock):
+--     NOTIFY it, if the epoch's holder is alive;
+--   - it is not awake (the awake lock of that epoch is free): it sleeps, or
+--     the epoch has no holder (the broker is gone, or that epoch was
+--     replaced by a new claim and its rows wait for broker_sweep()); if its
+--     holder is alive, NOTIFY it, holding the drain lock shared to commit,
+--     so broker_sleep() waits for this transaction or it hears the NOTIFY;
+--     otherwise write nothing;
+--   - it is awake and draining: it will see the row, and its holder is
+--     alive (only the epoch's holder takes its awake lock, and drops it when
+--     the epoch ends): no test of its own (500_outbox.sql).
+-- Lock tests and not rows a snapshot could hide: right at every isolation
 -- level.  A NOTIFY repeated in one transaction is sent once.
 CREATE FUNCTION pgbroker._watch_alive_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = {{r}}.lock_key AND h.epoch = {{r}}.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), {{r}}.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
+                THEN pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                     AND pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
             ELSE true
         END$t$
@@ -214,35 +211,16 @@ $template$;
 COMMENT ON FUNCTION pgbroker._watch_trigger_template() IS
     'Internal: template of the INSERT, UPDATE and DELETE trigger functions of a watched table (see sql/600_triggers.sql).';
 
--- Row mode: the trigger function of INSERT, UPDATE and DELETE, run for each
--- row with OLD and NEW at hand (no transition tables, no join).  The change
--- is set by {{row_change}}: v_op, v_key and, for an UPDATE, v_changed (an
--- UPDATE that changes nothing returns there).  Then the tests of statement
--- mode, on that one change; {{row_next}} ends the loop, or for an UPDATE of
--- the key turns the D of the old key into the I of the new one.
+-- Row mode: the trigger functions of INSERT, UPDATE and DELETE, run for
+-- each changed row with OLD and NEW at hand (no transition tables, no join).
+-- {{row_body}}: the fan-out of the row's change (below); for an UPDATE, of
+-- the change of its columns, or of a D and an I when its key changed.
 CREATE FUNCTION pgbroker._watch_row_trigger_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$
-DECLARE
-    v_op "char";
-    v_key jsonb;
-    v_changed text[];
 BEGIN
-{{row_change}}
-    LOOP
-        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
-           AND current_setting('transaction_isolation') = 'read committed' THEN
-            IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb) THEN
-{{fanout}};
-            ELSE
-{{merged}};
-            END IF;
-        ELSE
-{{unresolved}};
-        END IF;
-{{row_next}}
-    END LOOP;
+{{row_body}}
     RETURN NULL;
 END
 $t$
@@ -250,34 +228,47 @@ $template$;
 COMMENT ON FUNCTION pgbroker._watch_row_trigger_template() IS
     'Internal: template of the row-level INSERT, UPDATE and DELETE trigger functions of a table watched in row mode.';
 
--- Row mode's {{row_change}} and {{row_next}} for each kind of trigger.
-CREATE FUNCTION pgbroker._watch_row_change_template(p_kind text, p_part text)
+CREATE FUNCTION pgbroker._watch_row_update_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
-AS $template$ SELECT CASE p_kind || ' ' || p_part
-    WHEN 'ins change' THEN $t$    v_op := 'I';
-    v_key := {{new_key}};$t$
-    WHEN 'del change' THEN $t$    v_op := 'D';
-    v_key := {{old_key}};$t$
-    WHEN 'upd change' THEN $t$    IF {{same_key}} THEN
-        v_changed := {{changed}};
-        IF cardinality(v_changed) = 0 THEN
-            RETURN NULL;  -- an UPDATE that changes nothing is no change
-        END IF;
-        v_op := 'U';
-        v_key := {{new_key}};
+AS $template$ SELECT $t$    IF {{same_key}} THEN
+{{fanout_update}}
     ELSE
-        v_op := 'D';  -- a key change: a D of the old key, then an I of the new one
-        v_key := {{old_key}};
+        -- A key change: a D of the old key and an I of the new one.
+{{fanout_rekey}}
     END IF;$t$
-    WHEN 'upd next' THEN $t$        EXIT WHEN v_op <> 'D';
-        v_op := 'I';
-        v_key := {{new_key}};$t$
-    ELSE $t$        EXIT;$t$
-END
 $template$;
-COMMENT ON FUNCTION pgbroker._watch_row_change_template(text, text) IS
-    'Internal: the parts of the row-mode trigger template that differ by kind (ins, upd, del): the change, and what follows its fan-out.';
+COMMENT ON FUNCTION pgbroker._watch_row_update_template() IS
+    'Internal: template of the body of the row-level UPDATE trigger function (an UPDATE of the key is a D and an I).';
+
+-- The fan-out of one row's change(s), {{changes}} (a query over NEW and OLD
+-- of one or two rows; an UPDATE that changes nothing has none): the tests
+-- of statement mode, in as few steps as a row allows, for it runs once per
+-- row.  The watch lock and isolation test, then whether the table has
+-- whole-table subscribers, then one INSERT: the subscribers of the row's key
+-- (pgbroker.interest: one index probe), one outbox row per live broker.
+CREATE FUNCTION pgbroker._watch_row_fanout_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb) THEN
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM ({{changes}}) k
+                          JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE {{alive_and_woken:z}};
+            ELSE
+{{merged}};
+            END IF;
+        ELSE
+{{unresolved}};
+        END IF;$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_row_fanout_template() IS
+    'Internal: template of the fan-out of one row''s change(s) in the row-level trigger functions.';
 
 -- The TRUNCATE trigger function: every client with any interest in the table
 -- hears of it, one row per broker (of its live epoch).
@@ -436,6 +427,7 @@ AS $$
 DECLARE
     r jsonb := pgbroker._watch_exprs(p_watch, 'n', 'o');          -- over the transition tables' rows
     v_changed_k text := pgbroker._watch_exprs(p_watch, '(k.n)', '(k.o)') ->> 'changed';  -- whole rows (bulk)
+    r_row jsonb := pgbroker._watch_exprs(p_watch, 'NEW', 'OLD');   -- one row (row mode)
 BEGIN
     RETURN jsonb_build_object(
         'watch_id', p_watch.watch_id,
@@ -465,10 +457,15 @@ BEGIN
         'del_changed_late', 'NULL::text[]',
         'upd_changed_late', format($q$CASE WHEN k.op = 'U' THEN %s END$q$, v_changed_k),
         -- Row mode: the change of one row, over PL/pgSQL's NEW and OLD.
-        'row_changes', $q$SELECT v_op AS op, v_key AS row_key, v_changed AS changed$q$)
-        || (SELECT jsonb_object_agg(e.key, e.value)
-              FROM jsonb_each(pgbroker._watch_exprs(p_watch, 'NEW', 'OLD')) AS e
-             WHERE e.key IN ('new_key', 'old_key', 'same_key', 'changed'));
+        'row_ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'new_key'),
+        'row_del_changes', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'old_key'),
+        'row_upd_changes', format($q$SELECT 'U'::"char" AS op, %s AS row_key, c.changed FROM (SELECT %s AS changed) c
+                                   WHERE cardinality(c.changed) > 0$q$, r_row ->> 'new_key', r_row ->> 'changed'),
+        'row_rekey_changes', format($q$SELECT * FROM (VALUES ('D'::"char", %s, NULL::text[]), ('I', %s, NULL))
+                                     AS c (op, row_key, changed)$q$, r_row ->> 'old_key', r_row ->> 'new_key'),
+        'same_key', r_row ->> 'same_key');
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_slots(pgbroker.watched) IS
@@ -483,19 +480,20 @@ AS $$
 DECLARE
     v_slots jsonb := pgbroker._watch_slots(p_watch);
     v_body text;
+    v_fanout text;
     v_row text;
 BEGIN
     IF p_kind = 'trunc' THEN
         v_body := pgbroker._watch_truncate_template();  -- a statement trigger in both modes
     ELSIF p_watch.mode = 'row' THEN
         -- The statements first (their own slots are filled below) ...
-        v_body := replace(pgbroker._watch_row_trigger_template(), '{{row_change}}',
-                          pgbroker._watch_row_change_template(p_kind, 'change'));
-        v_body := replace(v_body, '{{row_next}}', pgbroker._watch_row_change_template(p_kind, 'next'));
-        v_body := replace(v_body, '{{fanout}}', pgbroker._watch_fanout_template());
-        v_body := replace(v_body, '{{merged}}', pgbroker._watch_merged_template());
-        v_body := replace(v_body, '{{unresolved}}', pgbroker._watch_unresolved_template());
-        v_slots := v_slots || jsonb_build_object('changes', v_slots ->> 'row_changes');
+        v_fanout := replace(replace(pgbroker._watch_row_fanout_template(), '{{merged}}', pgbroker._watch_merged_template()),
+                            '{{unresolved}}', pgbroker._watch_unresolved_template());
+        v_body := replace(pgbroker._watch_row_trigger_template(), '{{row_body}}', CASE p_kind
+            WHEN 'upd' THEN replace(replace(pgbroker._watch_row_update_template(),
+                                            '{{fanout_update}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_upd_changes')),
+                                    '{{fanout_rekey}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_rekey_changes'))
+            ELSE replace(v_fanout, '{{changes}}', v_slots ->> ('row_' || p_kind || '_changes')) END);
     ELSE
         v_body := pgbroker._watch_trigger_template();
         v_body := replace(v_body, '{{fanout}}', pgbroker._watch_fanout_template());
@@ -516,7 +514,8 @@ BEGIN
     END LOOP;
     RETURN pgbroker._render(v_body, v_slots - ARRAY['ins_changes', 'del_changes', 'upd_changes', 'ins_keyed', 'del_keyed',
                                                     'upd_keyed', 'ins_changed_late', 'del_changed_late',
-                                                    'upd_changed_late', 'row_changes']);
+                                                    'upd_changed_late', 'row_ins_changes', 'row_del_changes',
+                                                    'row_upd_changes', 'row_rekey_changes']);
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_function_body(pgbroker.watched, text) IS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import psycopg
@@ -635,6 +636,69 @@ def test_sleep_reports_busy_while_a_writer_that_saw_it_awake_is_open(connect, wa
     assert sleep(broker) == "asleep"
 
 
+def test_writers_go_on_seeing_the_broker_awake_while_it_waits_to_sleep(connect, watch_mode):
+    # broker_sleep() waits for writers that saw it awake by tries, never by a queued lock request: a request
+    # would make every writer that comes meanwhile take it for a broker going to sleep, and NOTIFY (each
+    # NOTIFY serialises commits).  Writers that come while it waits see it awake and stay silent.
+    broker, writer, other, listener = (
+        connect("broker"),
+        connect("writer", autocommit=False),
+        connect("other"),
+        connect("listener"),
+    )
+    claim(broker)
+    listen(listener)
+    seed_objects(other, [1, 2])
+    register(broker, "c")
+    subscribe(broker, "c", key=1)
+    subscribe(broker, "c", key=2)
+    wake(broker)
+    writer.execute("UPDATE initech.objects SET name = 'open' WHERE id = 1")  # saw it awake, stays open
+    result: list[str] = []
+    t = threading.Thread(target=lambda: result.append(sleep(broker, wait="600 ms")))
+    t.start()
+    time.sleep(0.2)
+    other.execute("UPDATE initech.objects SET name = 'meanwhile' WHERE id = 2")
+    t.join(10)
+    assert result == ["busy"]
+    assert notifies(listener, 0.3) == []
+    writer.commit()
+    assert notifies(listener, 0.3) == []  # still awake: it must look again
+    assert sorted(r["key"] for r in drain(broker)) == [1, 2]
+    assert sleep(broker) == "asleep"
+    other.execute("UPDATE initech.objects SET name = 'asleep' WHERE id = 2")
+    assert [n.payload for n in notifies(listener, 0.5)] == ["default"]
+
+
+def test_a_broker_that_releases_its_lease_awake_gets_nothing_written_for_it(connect, watch_mode):
+    # The awake lock is keyed by the epoch and tells writers that the epoch's holder is alive: a release
+    # (or a new claim of the same session) drops it when it commits, a rolled-back one keeps it.
+    broker, writer, admin = connect("broker"), connect("writer"), connect("admin")
+    epoch = claim(broker)
+    seed_objects(writer, [1])
+    register(broker, "c")
+    subscribe(broker, "c", key=1)
+    wake(broker)
+    with pytest.raises(ZeroDivisionError), broker.transaction():
+        broker.execute("SELECT pgbroker.broker_release()")
+        raise ZeroDivisionError
+    writer.execute("UPDATE initech.objects SET name = 'still held' WHERE id = 1")
+    assert summary(drain(broker)) == [("U", 1, ["name"], ("c",))]
+    assert broker.execute("SELECT pgbroker.broker_release()").fetchone() == (True,)
+    writer.execute("UPDATE initech.objects SET name = 'released' WHERE id = 1")
+    assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone() == (0,)
+    wake_key = admin.execute("SELECT pgbroker._epoch_key(%s)", (epoch,)).fetchone()[0]
+    held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = pgbroker._lock_class_awake()::oid"
+    assert admin.execute(held + " AND objid = %s", (wake_key,)).fetchone() == (0,)
+    # The same session claims again, awake, then claims a new epoch: the old epoch's awake lock goes too.
+    new_epoch = claim(broker)
+    assert new_epoch > epoch
+    wake(broker)
+    assert admin.execute(held).fetchone() == (1,)
+    broker.execute("SELECT pgbroker.broker_release()")
+    assert admin.execute(held).fetchone() == (0,)
+
+
 def test_many_brokers_each_change_reaches_the_right_broker_only(connect, watch_mode):
     a, b, writer = connect("broker a"), connect("broker b"), connect("writer")
     epoch_a, epoch_b = claim(a, "a"), claim(b, "b")
@@ -798,9 +862,12 @@ def test_rows_written_for_an_earlier_epoch_are_never_fetched_and_the_sweep_delet
 
 def test_generated_triggers_name_the_lock_classes_of_subscribe_and_sleep(connect, watch_mode):
     """The triggers call the lock-class functions that subscribe, claim and sleep use (folded to constants when
-    planned), never pasted numbers that could drift from them."""
+    planned), never pasted numbers that could drift from them; the epoch's alive lock is tested by
+    pgbroker._epoch_alive, only when its broker is not awake."""
     admin = connect("admin")
     names = ["_lock_class_watch", "_lock_class_drain", "_lock_class_awake", "_lock_class_alive"]
+    alive = admin.execute("SELECT prosrc FROM pg_proc WHERE oid = 'pgbroker._epoch_alive'::regproc").fetchone()[0]
+    assert "pgbroker._lock_class_alive()" in alive
     values = admin.execute(f"SELECT {', '.join(f'pgbroker.{n}()' for n in names)}").fetchone()
     bodies = [
         r[0]
@@ -810,8 +877,9 @@ def test_generated_triggers_name_the_lock_classes_of_subscribe_and_sleep(connect
     ]
     assert len(bodies) >= 4  # initech.objects is watched in the test database
     for body in bodies:
+        assert "pgbroker._epoch_alive(" in body
         for name, value in zip(names, values, strict=True):
-            assert f"pgbroker.{name}()" in body
+            assert f"pgbroker.{name}()" in body or name == "_lock_class_alive"
             assert str(value) not in body
 
 

@@ -171,28 +171,39 @@ AS $$ SELECT (p_epoch & 2147483647)::integer $$;
 COMMENT ON FUNCTION pgbroker._epoch_key(bigint) IS
     'Internal: the second key of the ''pgbh'' lock of epoch p_epoch (its low 31 bits).';
 
-CREATE FUNCTION pgbroker._my_backend_start()
+-- Reading pg_stat_activity copies the status of every backend (about 0.2 ms),
+-- too slow for every heartbeat: the value is cached for the session as
+-- '<pid>@<microseconds since 1970>'.  The cache only spares work; the checks
+-- that decide who holds a lease (_lease_alive, broker_assert) compare with the
+-- real value.  One SQL expression, inlined into its callers' queries (a
+-- PL/pgSQL call per fetch cost the broker more than the rest of the fetch).
+CREATE FUNCTION pgbroker._my_backend_start_lookup()
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_pid text := pg_backend_pid()::text;
-    v_cached text := current_setting('pgbroker.session', true);
     v_start timestamptz;
 BEGIN
-    -- Reading pg_stat_activity copies the status of every backend (about
-    -- 0.2 ms), too slow for every heartbeat: the value is cached for the
-    -- session as '<pid>@<microseconds since 1970>'.  The cache only spares
-    -- work; the checks that decide who holds a lease (_lease_alive,
-    -- broker_assert) compare with the real value.
-    IF v_cached ~ ('^' || v_pid || '@-?[0-9]+$') THEN
-        RETURN 'epoch'::timestamptz + substr(v_cached, length(v_pid) + 2)::bigint * interval '1 microsecond';
-    END IF;
     SELECT backend_start INTO v_start FROM pg_stat_get_activity(pg_backend_pid());
     PERFORM set_config('pgbroker.session',
-                       v_pid || '@' || (extract(epoch FROM v_start) * 1000000)::bigint::text, false);
+                       pg_backend_pid()::text || '@' || (extract(epoch FROM v_start) * 1000000)::bigint::text, false);
     RETURN v_start;
 END
+$$;
+COMMENT ON FUNCTION pgbroker._my_backend_start_lookup() IS
+    'Internal: when this backend started, read from pg_stat_activity and cached in the setting pgbroker.session.';
+
+CREATE FUNCTION pgbroker._my_backend_start()
+RETURNS timestamptz
+LANGUAGE sql VOLATILE
+AS $$
+    SELECT CASE WHEN pg_catalog.split_part(pg_catalog.current_setting('pgbroker.session', true), '@', 1)
+                     = pg_catalog.pg_backend_pid()::text
+                THEN 'epoch'::timestamptz
+                     + pg_catalog.split_part(pg_catalog.current_setting('pgbroker.session', true), '@', 2)::bigint
+                       * interval '1 microsecond'
+                ELSE pgbroker._my_backend_start_lookup() END
 $$;
 COMMENT ON FUNCTION pgbroker._my_backend_start() IS
     'Internal: when this backend started (cached in the setting pgbroker.session); with its pid it identifies a session even after pid reuse.';
@@ -2302,19 +2313,23 @@ CREATE FUNCTION pgbroker._lock_class_awake()
 RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT 1885823585 $$;
 COMMENT ON FUNCTION pgbroker._lock_class_awake() IS
-    'Internal: ''pgba''; (class, lease lock_key) is held (session level) by a broker while it is awake and draining.';
+    'Internal: ''pgba''; (class, _epoch_key(epoch)) is held (session level) by the holder of a session lease''s epoch while it is awake and draining.';
 
 -- ---------------------------------------------------------------------------
 -- Wake-ups.
 --
--- A broker that is awake holds the session-level "awake" lock of its lease
+-- A broker that is awake holds the session-level "awake" lock of its epoch
 -- and drains the outbox; writers see that and do not NOTIFY (every NOTIFY
--- serialises commits on a cluster-wide lock).  To go to sleep the broker
--- releases "awake", then waits for writers that may have seen it awake
--- (they hold the "drain" lock shared until they commit) and looks at the
--- outbox once more: a writer either saw it asleep and notifies, or committed
--- before that last look.  This holds at every isolation level, because the
--- "awake" test is a lock, not a row a snapshot could hide.
+-- serialises commits on a cluster-wide lock).  Writers take the "drain" lock
+-- shared, held to commit, before they look.  To go to sleep the broker waits
+-- until no writer holds "drain" (tries, never a queued request, so writers
+-- go on seeing it awake meanwhile), takes it, releases "awake" and looks at
+-- the outbox once more: a writer either committed before that last look, or
+-- found "drain" taken or "awake" free and notifies.  This holds at every
+-- isolation level, because the "awake" test is a lock, not a row a snapshot
+-- could hide.  Keyed by the epoch, an awake broker's lock also tells writers
+-- that its epoch's holder is alive (600_triggers.sql): no lock test of its
+-- own per broker and statement while the broker drains.
 
 CREATE FUNCTION pgbroker.wakeup_channel(name text DEFAULT 'default')
 RETURNS text
@@ -2328,6 +2343,26 @@ COMMENT ON FUNCTION pgbroker.wakeup_channel(text) IS
 $$The LISTEN channel on which the broker of lease NAME is woken: 'pgbroker_wakeup_' followed by the lease's number
 (never user text, so no quoting or length issue); the payload is the lease name. NULL before the first claim.$$;
 
+-- Whether the holder of epoch P_EPOCH of the lease numbered P_LOCK_KEY is
+-- alive: its "held" lock is taken (a try that fails: 100_lease.sql), or this
+-- very session holds that epoch (its own locks never conflict with it).
+-- The triggers ask only when the broker is not awake (600_triggers.sql).
+CREATE FUNCTION pgbroker._epoch_alive(p_lock_key integer, p_epoch bigint)
+RETURNS boolean
+LANGUAGE sql
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(p_epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(p_epoch))
+                     AND EXISTS (SELECT FROM pgbroker.lease h
+                                  WHERE h.lock_key = p_lock_key AND h.epoch = p_epoch AND h.state = 'held'
+                                    AND h.holder_pid = pg_backend_pid()
+                                    AND h.holder_backend_start = pgbroker._my_backend_start())
+                ELSE true END
+$$;
+COMMENT ON FUNCTION pgbroker._epoch_alive(integer, bigint) IS
+    'Internal: whether a session holds epoch p_epoch of the lease numbered p_lock_key (its alive lock is taken, or it is this session).';
+
 CREATE FUNCTION pgbroker._awake_held(p_key integer)
 RETURNS boolean
 LANGUAGE sql STABLE
@@ -2339,7 +2374,7 @@ AS $$
                       AND l.classid = pgbroker._lock_class_awake()::oid AND l.objid = p_key::oid AND l.objsubid = 2
                       AND l.mode = 'ExclusiveLock')
 $$;
-COMMENT ON FUNCTION pgbroker._awake_held(integer) IS 'Internal: whether this session holds the awake lock p_key.';
+COMMENT ON FUNCTION pgbroker._awake_held(integer) IS 'Internal: whether this session holds the awake lock (class, p_key), p_key an _epoch_key().';
 
 CREATE FUNCTION pgbroker.broker_wake(name text DEFAULT 'default')
 RETURNS void
@@ -2353,7 +2388,7 @@ DECLARE
     v_key integer;
 BEGIN
     v_epoch := pgbroker._holder_epoch(v_name);
-    SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
+    v_key := pgbroker._epoch_key(v_epoch);
     IF NOT pgbroker._awake_held(v_key) THEN
         PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
     END IF;
@@ -2373,27 +2408,33 @@ DECLARE
     v_name text := pgbroker._check_name(broker_sleep.name);
     v_epoch bigint := pgbroker._holder_epoch(v_name);
     v_wait_ms text := pgbroker._wait_ms(broker_sleep.wait);   -- checked before anything changes
+    v_deadline timestamptz := CASE WHEN broker_sleep.wait IS NULL THEN 'infinity'
+                                   ELSE clock_timestamp() + (v_wait_ms || ' ms')::interval END;
     v_floor bigint;
     v_key integer;
-    v_timeout text := current_setting('lock_timeout');
+    v_awake integer := pgbroker._epoch_key(v_epoch);
 BEGIN
     SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
-    IF pgbroker._awake_held(v_key) THEN
-        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_key);
+    -- Wait, still awake, until no writer holds the drain lock: by tries, so
+    -- that writers never find a request of ours queued (they would take it
+    -- for a broker going to sleep, and NOTIFY), and at most WAIT (a long
+    -- writer transaction must not keep us from draining).
+    WHILE NOT pg_try_advisory_xact_lock(pgbroker._lock_class_drain(), v_key) LOOP
+        IF clock_timestamp() >= v_deadline THEN
+            IF NOT pgbroker._awake_held(v_awake) THEN
+                PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
+            END IF;
+            RETURN 'busy';
+        END IF;
+        PERFORM pg_sleep(0.001);
+    END LOOP;
+    -- The drain lock is ours until this returns: writers from now on NOTIFY.
+    IF pgbroker._awake_held(v_awake) THEN
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_awake);
     END IF;
-    -- Wait for writers that may have seen us awake (bounded: a long writer
-    -- transaction must not stall every other writer queued behind us).
-    BEGIN
-        PERFORM set_config('lock_timeout', v_wait_ms, true);
-        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_drain(), v_key);
-        PERFORM set_config('lock_timeout', v_timeout, true);
-    EXCEPTION WHEN lock_not_available THEN
-        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
-        RETURN 'busy';
-    END;
     v_floor := pgbroker._outbox_floor(v_name, v_epoch, false);
     IF EXISTS (SELECT FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch = v_epoch AND o.id > v_floor) THEN
-        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
         RETURN 'pending';
     END IF;
     RETURN 'asleep';
@@ -2403,6 +2444,33 @@ COMMENT ON FUNCTION pgbroker.broker_sleep(text, interval) IS
 $$Holder only: declare the broker of lease NAME asleep, so that the next writer NOTIFYs it. Call it in autocommit mode.
 Returns 'asleep' (outbox empty: LISTEN on wakeup_channel(NAME) and wait), 'pending' (rows arrived: still awake, fetch again)
 or 'busy' (a writer transaction still open after WAIT: still awake; poll again soon).$$;
+
+-- A broker that ends its epoch awake (a release, or a new claim of its own
+-- session) stops being awake for that epoch when this commits: its lock
+-- would otherwise tell writers the epoch is alive (600_triggers.sql).
+CREATE FUNCTION pgbroker._awake_end()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF (NEW.state <> 'held' OR NEW.epoch <> OLD.epoch)
+       AND OLD.holder_pid = pg_backend_pid() AND pgbroker._awake_held(pgbroker._epoch_key(OLD.epoch)) THEN
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), pgbroker._epoch_key(OLD.epoch));
+    END IF;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._awake_end() IS
+    'Internal deferred trigger: at commit, a session whose epoch ended (released, or replaced by its own new claim) drops its awake lock of that epoch.';
+
+CREATE CONSTRAINT TRIGGER _500_awake_end
+    AFTER UPDATE OF epoch, state ON pgbroker.lease
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION pgbroker._awake_end();
+COMMENT ON TRIGGER _500_awake_end ON pgbroker.lease IS
+    'Drops the awake lock of an epoch its own session ended, when the transaction commits.';
 
 -- ---------------------------------------------------------------------------
 -- Delivery.
@@ -2434,6 +2502,16 @@ DECLARE
     v_first bigint;
     v_dirty boolean := true;  -- the setting needs writing (unset, or another epoch's)
 BEGIN
+    -- Most calls: this epoch's state, nothing to move (no X taken, or X not
+    -- yet below the oldest running transaction), no new (S, X) due.
+    IF v_state[1] = p_epoch::text AND cardinality(v_state) = 5
+       AND (NOT p_advance OR current_setting('transaction_isolation') <> 'read committed'
+            OR CASE WHEN v_state[4] <> '' THEN v_state[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
+                    ELSE pg_current_xact_id_if_assigned() IS NOT NULL
+                         OR to_timestamp(nullif(v_state[5], '')::double precision)
+                            >= clock_timestamp() - interval '100 ms' END) THEN
+        RETURN v_state[2]::bigint;
+    END IF;
     IF v_state[1] = p_epoch::text AND cardinality(v_state) = 5 THEN
         v_dirty := false;
         v_floor := v_state[2]::bigint;
@@ -2499,12 +2577,15 @@ COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
 
 -- The broker calls it in a loop, so its cost per call and per row is the
 -- broker's cost: planned once per session (re-planning cost more than the
--- fetch itself: a one-row fetch 224 µs re-planned, 85 µs with the generic
--- plan), the holder checked by one lookup (the helpers only name the error),
--- and rows returned as the triggers wrote them: client ids, nothing looked
--- up per row.  The rare rows written while a subscribe was under way
--- (clients NULL) are resolved first, and those left with nobody to tell are
--- deleted rather than returned.
+-- fetch itself: a one-row fetch 224 us re-planned, 85 us with the generic
+-- plan), and as few statements as a call allows, each paying a snapshot:
+-- one finds the holder's epoch and whether any row awaits its clients, one
+-- acknowledges the previous batch and returns the next (the rows it
+-- deletes are left out of those it returns).  Rows are returned as the
+-- triggers wrote them: client ids, nothing looked up per row but the
+-- table's name.  The rare rows written while a subscribe was under way
+-- (clients NULL) are resolved first, and those left with nobody to tell
+-- are deleted rather than returned.
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
@@ -2513,33 +2594,47 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    v_name text := outbox_fetch.name;
     v_epoch bigint;
+    v_unresolved boolean;
     v_floor bigint;
 BEGIN
-    SELECT l.epoch INTO v_epoch FROM pgbroker.lease l
-     WHERE l.name = v_name AND l.state = 'held' AND l.expires_at IS NULL
+    -- The holder's epoch, whether rows await their clients, and the floor
+    -- when it has nothing to move (as _outbox_floor's first test: NULL
+    -- otherwise, and _outbox_floor runs).
+    SELECT l.epoch, EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = l.name AND u.epoch = l.epoch AND u.clients IS NULL),
+           CASE WHEN f.s[1] = l.epoch::text AND cardinality(f.s) = 5
+                     AND current_setting('transaction_isolation') = 'read committed'
+                     AND CASE WHEN f.s[4] <> '' THEN f.s[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
+                              ELSE to_timestamp(nullif(f.s[5], '')::double precision) >= clock_timestamp() - interval '100 ms' END
+                THEN f.s[2]::bigint END
+      INTO v_epoch, v_unresolved, v_floor
+      FROM pgbroker.lease l,
+           (SELECT string_to_array(current_setting('pgbroker.outbox_floor', true), ':') AS s) f
+     WHERE l.name = outbox_fetch.name AND l.state = 'held' AND l.expires_at IS NULL
        AND l.holder_pid = pg_backend_pid() AND l.holder_backend_start = pgbroker._my_backend_start();
-    IF NOT FOUND THEN
-        v_epoch := pgbroker._holder_epoch(v_name);  -- raises the error that applies (bad name, PB001)
+    IF v_epoch IS NULL THEN
+        v_epoch := pgbroker._holder_epoch(outbox_fetch.name);  -- raises the error that applies (bad name, PB001)
     END IF;
     IF outbox_fetch.max_rows IS NULL OR outbox_fetch.max_rows < 1 THEN
         RAISE EXCEPTION 'max_rows must be at least 1' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- First, before this transaction writes anything (see _outbox_floor).
-    v_floor := pgbroker._outbox_floor(v_name, v_epoch, true);
-    IF outbox_fetch.ack IS NOT NULL THEN
-        -- Acknowledge the previous batch in the same round trip.
-        DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.epoch = v_epoch AND b.id = ANY (outbox_fetch.ack);
+    IF v_floor IS NULL THEN
+        -- First, before this transaction writes anything (see _outbox_floor).
+        v_floor := pgbroker._outbox_floor(outbox_fetch.name, v_epoch, true);
     END IF;
-    IF EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = v_name AND u.epoch = v_epoch AND u.clients IS NULL) THEN
-        PERFORM pgbroker._outbox_resolve(v_name, v_epoch);
+    IF v_unresolved THEN
+        PERFORM pgbroker._outbox_resolve(outbox_fetch.name, v_epoch);
     END IF;
     RETURN QUERY
+    WITH acked AS (  -- the previous batch, acknowledged in the same round trip
+        DELETE FROM pgbroker.outbox b
+         WHERE b.name = outbox_fetch.name AND b.epoch = v_epoch AND b.id = ANY (outbox_fetch.ack)
+    )
     SELECT o.id, (SELECT w.relid::regclass::text FROM pgbroker.watched w WHERE w.watch_id = o.watch_id),
            o.op::text, o.row_key, o.changed, o.clients, o.at
       FROM pgbroker.outbox o
-     WHERE o.name = v_name AND o.epoch = v_epoch AND o.id > v_floor
+     WHERE o.name = outbox_fetch.name AND o.epoch = v_epoch AND o.id > v_floor
+       AND (outbox_fetch.ack IS NULL OR o.id <> ALL (outbox_fetch.ack))
      ORDER BY o.id
      LIMIT outbox_fetch.max_rows;
 END
@@ -2829,32 +2924,29 @@ COMMENT ON FUNCTION pgbroker._watch_unresolved_template() IS
 -- Whether the holder of the broker of row {{r}} (a lease, or the interest of
 -- one of its epochs) is alive, and if so its wake-up.  Evaluated before the
 -- outbox row is written, in this order:
---   - no session holds that epoch (its alive lock is free, and this session
---     is not its holder): the broker is gone, or that epoch was replaced by
---     a new claim and its rows wait for broker_sweep(): write nothing;
---   - the broker is going to sleep (broker_sleep() holds or awaits the drain
---     lock): NOTIFY it;
---   - it sleeps (the awake lock is free): NOTIFY it, holding the drain lock
---     shared to commit, so broker_sleep() waits for this transaction or it
---     hears the NOTIFY;
---   - it is awake and draining: it will see the row.
--- A lock test and not a row a snapshot could hide: right at every isolation
+--   - the broker is going to sleep (broker_sleep() holds the drain lock):
+--     NOTIFY it, if the epoch's holder is alive;
+--   - it is not awake (the awake lock of that epoch is free): it sleeps, or
+--     the epoch has no holder (the broker is gone, or that epoch was
+--     replaced by a new claim and its rows wait for broker_sweep()); if its
+--     holder is alive, NOTIFY it, holding the drain lock shared to commit,
+--     so broker_sleep() waits for this transaction or it hears the NOTIFY;
+--     otherwise write nothing;
+--   - it is awake and draining: it will see the row, and its holder is
+--     alive (only the epoch's holder takes its awake lock, and drops it when
+--     the epoch ends): no test of its own (500_outbox.sql).
+-- Lock tests and not rows a snapshot could hide: right at every isolation
 -- level.  A NOTIFY repeated in one transaction is sent once.
 CREATE FUNCTION pgbroker._watch_alive_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = {{r}}.lock_key AND h.epoch = {{r}}.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), {{r}}.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
+                THEN pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                     AND pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
             ELSE true
         END$t$
@@ -2903,35 +2995,16 @@ $template$;
 COMMENT ON FUNCTION pgbroker._watch_trigger_template() IS
     'Internal: template of the INSERT, UPDATE and DELETE trigger functions of a watched table (see sql/600_triggers.sql).';
 
--- Row mode: the trigger function of INSERT, UPDATE and DELETE, run for each
--- row with OLD and NEW at hand (no transition tables, no join).  The change
--- is set by {{row_change}}: v_op, v_key and, for an UPDATE, v_changed (an
--- UPDATE that changes nothing returns there).  Then the tests of statement
--- mode, on that one change; {{row_next}} ends the loop, or for an UPDATE of
--- the key turns the D of the old key into the I of the new one.
+-- Row mode: the trigger functions of INSERT, UPDATE and DELETE, run for
+-- each changed row with OLD and NEW at hand (no transition tables, no join).
+-- {{row_body}}: the fan-out of the row's change (below); for an UPDATE, of
+-- the change of its columns, or of a D and an I when its key changed.
 CREATE FUNCTION pgbroker._watch_row_trigger_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$
-DECLARE
-    v_op "char";
-    v_key jsonb;
-    v_changed text[];
 BEGIN
-{{row_change}}
-    LOOP
-        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
-           AND current_setting('transaction_isolation') = 'read committed' THEN
-            IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb) THEN
-{{fanout}};
-            ELSE
-{{merged}};
-            END IF;
-        ELSE
-{{unresolved}};
-        END IF;
-{{row_next}}
-    END LOOP;
+{{row_body}}
     RETURN NULL;
 END
 $t$
@@ -2939,34 +3012,47 @@ $template$;
 COMMENT ON FUNCTION pgbroker._watch_row_trigger_template() IS
     'Internal: template of the row-level INSERT, UPDATE and DELETE trigger functions of a table watched in row mode.';
 
--- Row mode's {{row_change}} and {{row_next}} for each kind of trigger.
-CREATE FUNCTION pgbroker._watch_row_change_template(p_kind text, p_part text)
+CREATE FUNCTION pgbroker._watch_row_update_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
-AS $template$ SELECT CASE p_kind || ' ' || p_part
-    WHEN 'ins change' THEN $t$    v_op := 'I';
-    v_key := {{new_key}};$t$
-    WHEN 'del change' THEN $t$    v_op := 'D';
-    v_key := {{old_key}};$t$
-    WHEN 'upd change' THEN $t$    IF {{same_key}} THEN
-        v_changed := {{changed}};
-        IF cardinality(v_changed) = 0 THEN
-            RETURN NULL;  -- an UPDATE that changes nothing is no change
-        END IF;
-        v_op := 'U';
-        v_key := {{new_key}};
+AS $template$ SELECT $t$    IF {{same_key}} THEN
+{{fanout_update}}
     ELSE
-        v_op := 'D';  -- a key change: a D of the old key, then an I of the new one
-        v_key := {{old_key}};
+        -- A key change: a D of the old key and an I of the new one.
+{{fanout_rekey}}
     END IF;$t$
-    WHEN 'upd next' THEN $t$        EXIT WHEN v_op <> 'D';
-        v_op := 'I';
-        v_key := {{new_key}};$t$
-    ELSE $t$        EXIT;$t$
-END
 $template$;
-COMMENT ON FUNCTION pgbroker._watch_row_change_template(text, text) IS
-    'Internal: the parts of the row-mode trigger template that differ by kind (ins, upd, del): the change, and what follows its fan-out.';
+COMMENT ON FUNCTION pgbroker._watch_row_update_template() IS
+    'Internal: template of the body of the row-level UPDATE trigger function (an UPDATE of the key is a D and an I).';
+
+-- The fan-out of one row's change(s), {{changes}} (a query over NEW and OLD
+-- of one or two rows; an UPDATE that changes nothing has none): the tests
+-- of statement mode, in as few steps as a row allows, for it runs once per
+-- row.  The watch lock and isolation test, then whether the table has
+-- whole-table subscribers, then one INSERT: the subscribers of the row's key
+-- (pgbroker.interest: one index probe), one outbox row per live broker.
+CREATE FUNCTION pgbroker._watch_row_fanout_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb) THEN
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM ({{changes}}) k
+                          JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE {{alive_and_woken:z}};
+            ELSE
+{{merged}};
+            END IF;
+        ELSE
+{{unresolved}};
+        END IF;$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_row_fanout_template() IS
+    'Internal: template of the fan-out of one row''s change(s) in the row-level trigger functions.';
 
 -- The TRUNCATE trigger function: every client with any interest in the table
 -- hears of it, one row per broker (of its live epoch).
@@ -3125,6 +3211,7 @@ AS $$
 DECLARE
     r jsonb := pgbroker._watch_exprs(p_watch, 'n', 'o');          -- over the transition tables' rows
     v_changed_k text := pgbroker._watch_exprs(p_watch, '(k.n)', '(k.o)') ->> 'changed';  -- whole rows (bulk)
+    r_row jsonb := pgbroker._watch_exprs(p_watch, 'NEW', 'OLD');   -- one row (row mode)
 BEGIN
     RETURN jsonb_build_object(
         'watch_id', p_watch.watch_id,
@@ -3154,10 +3241,15 @@ BEGIN
         'del_changed_late', 'NULL::text[]',
         'upd_changed_late', format($q$CASE WHEN k.op = 'U' THEN %s END$q$, v_changed_k),
         -- Row mode: the change of one row, over PL/pgSQL's NEW and OLD.
-        'row_changes', $q$SELECT v_op AS op, v_key AS row_key, v_changed AS changed$q$)
-        || (SELECT jsonb_object_agg(e.key, e.value)
-              FROM jsonb_each(pgbroker._watch_exprs(p_watch, 'NEW', 'OLD')) AS e
-             WHERE e.key IN ('new_key', 'old_key', 'same_key', 'changed'));
+        'row_ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'new_key'),
+        'row_del_changes', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'old_key'),
+        'row_upd_changes', format($q$SELECT 'U'::"char" AS op, %s AS row_key, c.changed FROM (SELECT %s AS changed) c
+                                   WHERE cardinality(c.changed) > 0$q$, r_row ->> 'new_key', r_row ->> 'changed'),
+        'row_rekey_changes', format($q$SELECT * FROM (VALUES ('D'::"char", %s, NULL::text[]), ('I', %s, NULL))
+                                     AS c (op, row_key, changed)$q$, r_row ->> 'old_key', r_row ->> 'new_key'),
+        'same_key', r_row ->> 'same_key');
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_slots(pgbroker.watched) IS
@@ -3172,19 +3264,20 @@ AS $$
 DECLARE
     v_slots jsonb := pgbroker._watch_slots(p_watch);
     v_body text;
+    v_fanout text;
     v_row text;
 BEGIN
     IF p_kind = 'trunc' THEN
         v_body := pgbroker._watch_truncate_template();  -- a statement trigger in both modes
     ELSIF p_watch.mode = 'row' THEN
         -- The statements first (their own slots are filled below) ...
-        v_body := replace(pgbroker._watch_row_trigger_template(), '{{row_change}}',
-                          pgbroker._watch_row_change_template(p_kind, 'change'));
-        v_body := replace(v_body, '{{row_next}}', pgbroker._watch_row_change_template(p_kind, 'next'));
-        v_body := replace(v_body, '{{fanout}}', pgbroker._watch_fanout_template());
-        v_body := replace(v_body, '{{merged}}', pgbroker._watch_merged_template());
-        v_body := replace(v_body, '{{unresolved}}', pgbroker._watch_unresolved_template());
-        v_slots := v_slots || jsonb_build_object('changes', v_slots ->> 'row_changes');
+        v_fanout := replace(replace(pgbroker._watch_row_fanout_template(), '{{merged}}', pgbroker._watch_merged_template()),
+                            '{{unresolved}}', pgbroker._watch_unresolved_template());
+        v_body := replace(pgbroker._watch_row_trigger_template(), '{{row_body}}', CASE p_kind
+            WHEN 'upd' THEN replace(replace(pgbroker._watch_row_update_template(),
+                                            '{{fanout_update}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_upd_changes')),
+                                    '{{fanout_rekey}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_rekey_changes'))
+            ELSE replace(v_fanout, '{{changes}}', v_slots ->> ('row_' || p_kind || '_changes')) END);
     ELSE
         v_body := pgbroker._watch_trigger_template();
         v_body := replace(v_body, '{{fanout}}', pgbroker._watch_fanout_template());
@@ -3205,7 +3298,8 @@ BEGIN
     END LOOP;
     RETURN pgbroker._render(v_body, v_slots - ARRAY['ins_changes', 'del_changes', 'upd_changes', 'ins_keyed', 'del_keyed',
                                                     'upd_keyed', 'ins_changed_late', 'del_changed_late',
-                                                    'upd_changed_late', 'row_changes']);
+                                                    'upd_changed_late', 'row_ins_changes', 'row_del_changes',
+                                                    'row_upd_changes', 'row_rekey_changes']);
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_function_body(pgbroker.watched, text) IS

@@ -15,40 +15,23 @@ CREATE OR REPLACE FUNCTION pgbroker._watch_1_ins()
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-DECLARE
-    v_op "char";
-    v_key jsonb;
-    v_changed text[];
 BEGIN
-    v_op := 'I';
-    v_key := to_jsonb(NEW.id);
-    LOOP
         IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
            AND current_setting('transaction_isolation') = 'read committed' THEN
             IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb) THEN
-
-        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
-          FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
-                  FROM (SELECT v_op AS op, v_key AS row_key, v_changed AS changed OFFSET 0) k
-                 CROSS JOIN LATERAL (
-                       -- An index probe per change, whatever the size the plan was made for
-                       -- (a hash of the table's interest rows would then serve every later call).
-                       SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
-                        WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
-                OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
-         WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = z.lock_key AND h.epoch = z.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM (SELECT 'I'::"char" AS op, to_jsonb(NEW.id) AS row_key, NULL::text[] AS changed) k
+                          JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE CASE
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), z.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), z.lock_key)
+                THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                     AND pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             ELSE true
         END;
@@ -60,7 +43,7 @@ BEGIN
              WHERE i.watch_id = 1 AND i.row_key = 'null'::jsonb)
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT t.name, t.epoch, 1, k.op, k.row_key, k.changed, t.clients
-          FROM (SELECT v_op AS op, v_key AS row_key, v_changed AS changed OFFSET 0) k
+          FROM (SELECT 'I'::"char" AS op, to_jsonb(NEW.id) AS row_key, NULL::text[] AS changed OFFSET 0) k
          CROSS JOIN LATERAL (
                -- Subscribers of the row, with the whole-table ones of the same broker ...
                SELECT r.name, r.epoch, r.lock_key,
@@ -78,17 +61,12 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), t.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), t.lock_key)
+                THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                     AND pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             ELSE true
         END;
@@ -100,28 +78,21 @@ BEGIN
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT l.name, l.epoch, 1, l.op, l.row_key, l.changed, NULL
           FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed
-                  FROM (SELECT v_op AS op, v_key AS row_key, v_changed AS changed OFFSET 0) k
+                  FROM (SELECT 'I'::"char" AS op, to_jsonb(NEW.id) AS row_key, NULL::text[] AS changed OFFSET 0) k
                  CROSS JOIN pgbroker.lease b
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             ELSE true
         END;
         END IF;
-        EXIT;
-    END LOOP;
     RETURN NULL;
 END
 $function$;
@@ -137,49 +108,25 @@ CREATE OR REPLACE FUNCTION pgbroker._watch_1_upd()
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-DECLARE
-    v_op "char";
-    v_key jsonb;
-    v_changed text[];
 BEGIN
     IF NEW.id = OLD.id THEN
-        v_changed := array_remove(ARRAY[CASE WHEN NEW.id IS DISTINCT FROM OLD.id THEN 'id' END, CASE WHEN NEW.kind IS DISTINCT FROM OLD.kind THEN 'kind' END, CASE WHEN NEW.name IS DISTINCT FROM OLD.name THEN 'name' END, CASE WHEN NEW.config IS DISTINCT FROM OLD.config THEN 'config' END, CASE WHEN NEW.updated_at IS DISTINCT FROM OLD.updated_at THEN 'updated_at' END]::text[], NULL);
-        IF cardinality(v_changed) = 0 THEN
-            RETURN NULL;  -- an UPDATE that changes nothing is no change
-        END IF;
-        v_op := 'U';
-        v_key := to_jsonb(NEW.id);
-    ELSE
-        v_op := 'D';  -- a key change: a D of the old key, then an I of the new one
-        v_key := to_jsonb(OLD.id);
-    END IF;
-    LOOP
         IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
            AND current_setting('transaction_isolation') = 'read committed' THEN
             IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb) THEN
-
-        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
-          FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
-                  FROM (SELECT v_op AS op, v_key AS row_key, v_changed AS changed OFFSET 0) k
-                 CROSS JOIN LATERAL (
-                       -- An index probe per change, whatever the size the plan was made for
-                       -- (a hash of the table's interest rows would then serve every later call).
-                       SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
-                        WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
-                OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
-         WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = z.lock_key AND h.epoch = z.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM (SELECT 'U'::"char" AS op, to_jsonb(NEW.id) AS row_key, c.changed FROM (SELECT array_remove(ARRAY[CASE WHEN NEW.id IS DISTINCT FROM OLD.id THEN 'id' END, CASE WHEN NEW.kind IS DISTINCT FROM OLD.kind THEN 'kind' END, CASE WHEN NEW.name IS DISTINCT FROM OLD.name THEN 'name' END, CASE WHEN NEW.config IS DISTINCT FROM OLD.config THEN 'config' END, CASE WHEN NEW.updated_at IS DISTINCT FROM OLD.updated_at THEN 'updated_at' END]::text[], NULL) AS changed) c
+                                   WHERE cardinality(c.changed) > 0) k
+                          JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE CASE
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), z.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), z.lock_key)
+                THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                     AND pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             ELSE true
         END;
@@ -191,7 +138,8 @@ BEGIN
              WHERE i.watch_id = 1 AND i.row_key = 'null'::jsonb)
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT t.name, t.epoch, 1, k.op, k.row_key, k.changed, t.clients
-          FROM (SELECT v_op AS op, v_key AS row_key, v_changed AS changed OFFSET 0) k
+          FROM (SELECT 'U'::"char" AS op, to_jsonb(NEW.id) AS row_key, c.changed FROM (SELECT array_remove(ARRAY[CASE WHEN NEW.id IS DISTINCT FROM OLD.id THEN 'id' END, CASE WHEN NEW.kind IS DISTINCT FROM OLD.kind THEN 'kind' END, CASE WHEN NEW.name IS DISTINCT FROM OLD.name THEN 'name' END, CASE WHEN NEW.config IS DISTINCT FROM OLD.config THEN 'config' END, CASE WHEN NEW.updated_at IS DISTINCT FROM OLD.updated_at THEN 'updated_at' END]::text[], NULL) AS changed) c
+                                   WHERE cardinality(c.changed) > 0 OFFSET 0) k
          CROSS JOIN LATERAL (
                -- Subscribers of the row, with the whole-table ones of the same broker ...
                SELECT r.name, r.epoch, r.lock_key,
@@ -209,17 +157,12 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), t.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), t.lock_key)
+                THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                     AND pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             ELSE true
         END;
@@ -231,30 +174,105 @@ BEGIN
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT l.name, l.epoch, 1, l.op, l.row_key, l.changed, NULL
           FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed
-                  FROM (SELECT v_op AS op, v_key AS row_key, v_changed AS changed OFFSET 0) k
+                  FROM (SELECT 'U'::"char" AS op, to_jsonb(NEW.id) AS row_key, c.changed FROM (SELECT array_remove(ARRAY[CASE WHEN NEW.id IS DISTINCT FROM OLD.id THEN 'id' END, CASE WHEN NEW.kind IS DISTINCT FROM OLD.kind THEN 'kind' END, CASE WHEN NEW.name IS DISTINCT FROM OLD.name THEN 'name' END, CASE WHEN NEW.config IS DISTINCT FROM OLD.config THEN 'config' END, CASE WHEN NEW.updated_at IS DISTINCT FROM OLD.updated_at THEN 'updated_at' END]::text[], NULL) AS changed) c
+                                   WHERE cardinality(c.changed) > 0 OFFSET 0) k
                  CROSS JOIN pgbroker.lease b
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             ELSE true
         END;
         END IF;
-        EXIT WHEN v_op <> 'D';
-        v_op := 'I';
-        v_key := to_jsonb(NEW.id);
-    END LOOP;
+    ELSE
+        -- A key change: a D of the old key and an I of the new one.
+        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb) THEN
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM (SELECT * FROM (VALUES ('D'::"char", to_jsonb(OLD.id), NULL::text[]), ('I', to_jsonb(NEW.id), NULL))
+                                     AS c (op, row_key, changed)) k
+                          JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE CASE
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
+                THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                     AND pgbroker._epoch_alive(z.lock_key, z.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
+            ELSE true
+        END;
+            ELSE
+
+        WITH whole AS MATERIALIZED (
+            SELECT i.name, i.epoch, i.lock_key, i.clients
+              FROM pgbroker.interest i
+             WHERE i.watch_id = 1 AND i.row_key = 'null'::jsonb)
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT t.name, t.epoch, 1, k.op, k.row_key, k.changed, t.clients
+          FROM (SELECT * FROM (VALUES ('D'::"char", to_jsonb(OLD.id), NULL::text[]), ('I', to_jsonb(NEW.id), NULL))
+                                     AS c (op, row_key, changed) OFFSET 0) k
+         CROSS JOIN LATERAL (
+               -- Subscribers of the row, with the whole-table ones of the same broker ...
+               SELECT r.name, r.epoch, r.lock_key,
+                      CASE WHEN w.clients IS NULL THEN r.clients
+                           ELSE ARRAY(SELECT DISTINCT c FROM unnest(r.clients || w.clients) AS c ORDER BY 1) END
+                 FROM pgbroker.interest r
+                 LEFT JOIN whole w ON w.name = r.name AND w.epoch = r.epoch
+                WHERE r.watch_id = 1 AND r.row_key = k.row_key
+               UNION ALL
+               -- ... and the whole-table ones of brokers with no subscriber of the row.
+               SELECT w.name, w.epoch, w.lock_key, w.clients
+                 FROM whole w
+                WHERE NOT EXISTS (SELECT FROM pgbroker.interest r
+                                   WHERE r.watch_id = 1 AND r.row_key = k.row_key AND r.name = w.name
+                                     AND r.epoch = w.epoch)
+               ) AS t (name, epoch, lock_key, clients)
+         WHERE CASE
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+                THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                     AND pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            ELSE true
+        END;
+            END IF;
+        ELSE
+
+        -- A subscribe() is under way, or the snapshot may predate one: every
+        -- live broker gets the changes, their clients resolved when fetched.
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT l.name, l.epoch, 1, l.op, l.row_key, l.changed, NULL
+          FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed
+                  FROM (SELECT * FROM (VALUES ('D'::"char", to_jsonb(OLD.id), NULL::text[]), ('I', to_jsonb(NEW.id), NULL))
+                                     AS c (op, row_key, changed) OFFSET 0) k
+                 CROSS JOIN pgbroker.lease b
+                 WHERE b.state = 'held' AND b.expires_at IS NULL
+                OFFSET 0) l
+         WHERE CASE
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            ELSE true
+        END;
+        END IF;
+    END IF;
     RETURN NULL;
 END
 $function$;
@@ -270,40 +288,23 @@ CREATE OR REPLACE FUNCTION pgbroker._watch_1_del()
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-DECLARE
-    v_op "char";
-    v_key jsonb;
-    v_changed text[];
 BEGIN
-    v_op := 'D';
-    v_key := to_jsonb(OLD.id);
-    LOOP
         IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
            AND current_setting('transaction_isolation') = 'read committed' THEN
             IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb) THEN
-
-        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
-          FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
-                  FROM (SELECT v_op AS op, v_key AS row_key, v_changed AS changed OFFSET 0) k
-                 CROSS JOIN LATERAL (
-                       -- An index probe per change, whatever the size the plan was made for
-                       -- (a hash of the table's interest rows would then serve every later call).
-                       SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
-                        WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
-                OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
-         WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = z.lock_key AND h.epoch = z.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, 1, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM (SELECT 'D'::"char" AS op, to_jsonb(OLD.id) AS row_key, NULL::text[] AS changed) k
+                          JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE CASE
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), z.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), z.lock_key)
+                THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                     AND pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             ELSE true
         END;
@@ -315,7 +316,7 @@ BEGIN
              WHERE i.watch_id = 1 AND i.row_key = 'null'::jsonb)
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT t.name, t.epoch, 1, k.op, k.row_key, k.changed, t.clients
-          FROM (SELECT v_op AS op, v_key AS row_key, v_changed AS changed OFFSET 0) k
+          FROM (SELECT 'D'::"char" AS op, to_jsonb(OLD.id) AS row_key, NULL::text[] AS changed OFFSET 0) k
          CROSS JOIN LATERAL (
                -- Subscribers of the row, with the whole-table ones of the same broker ...
                SELECT r.name, r.epoch, r.lock_key,
@@ -333,17 +334,12 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), t.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), t.lock_key)
+                THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                     AND pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             ELSE true
         END;
@@ -355,28 +351,21 @@ BEGIN
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
         SELECT l.name, l.epoch, 1, l.op, l.row_key, l.changed, NULL
           FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed
-                  FROM (SELECT v_op AS op, v_key AS row_key, v_changed AS changed OFFSET 0) k
+                  FROM (SELECT 'D'::"char" AS op, to_jsonb(OLD.id) AS row_key, NULL::text[] AS changed OFFSET 0) k
                  CROSS JOIN pgbroker.lease b
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             ELSE true
         END;
         END IF;
-        EXIT;
-    END LOOP;
     RETURN NULL;
 END
 $function$;
@@ -407,17 +396,12 @@ BEGIN
                  WHERE i.watch_id = 1
                  GROUP BY i.name, i.epoch) t
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), t.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), t.lock_key)
+                THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                     AND pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             ELSE true
         END;
@@ -428,17 +412,12 @@ BEGIN
           FROM pgbroker.lease l
          WHERE l.state = 'held' AND l.expires_at IS NULL
            AND CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             ELSE true
         END;
