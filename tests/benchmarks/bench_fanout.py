@@ -41,6 +41,13 @@ alternately with it:
 4. Scale: single-row UPDATE cost with 100 clients / 2,000 subscriptions against
    10,000 clients / 200,000 subscriptions (a fresh epoch; the updated rows have
    two subscribers in both cases).  Target: about 1x.
+5. Only with --only guarantees (about 6 minutes more): what each guarantee of
+   row mode costs a single-row UPDATE.  Copies of the row-mode table whose
+   UPDATE trigger has the guarantees taken out one at a time, cumulatively
+   (SECURITY DEFINER with its pinned search_path; the watch try-lock; the
+   isolation test; the whole-table probe; the drain lock and awake test), run
+   in the rounds of part 1 beside unwatched and the transactional outbox.
+   Diagnostic only: the stripped triggers are not correct.
 
 The broker is a thread holding the lease on its own connection.  Its loop is
 plain psycopg calls to the SQL API: broker_wake(); outbox_fetch(max 1000, ack =>
@@ -99,7 +106,8 @@ LATENCY_P99_TARGET_MS = 10.0
 SCALE_TARGET = 1.2  # "about 1x": the large set-up may cost at most this much more
 
 
-PARTS = ("throughput", "bulk", "huge", "latency", "scale")
+PARTS = ("throughput", "bulk", "huge", "latency", "scale", "guarantees")
+OPT_IN = ("guarantees",)  # parts run only when named
 
 
 @dataclass
@@ -114,10 +122,10 @@ class Settings:
     scale_rounds: int = 4  # alternating watched / unwatched pgbench runs per phase (the tps form is noisy)
     scale_statements: int = 1000
     explain: bool = False
-    only: tuple[str, ...] = ()  # parts to run (all when empty): throughput, bulk, huge, latency, scale
+    only: tuple[str, ...] = ()  # parts to run (all but OPT_IN when empty): see PARTS
 
     def runs(self, part: str) -> bool:
-        return not self.only or part in self.only
+        return part in self.only or (not self.only and part not in OPT_IN)
 
     @classmethod
     def quick(cls) -> Settings:
@@ -1236,6 +1244,104 @@ def bench_scale(url: str, conn: psycopg.Connection, pgbench: PgBench, cfg: Setti
 
 
 # ---------------------------------------------------------------------------
+# 5. What each guarantee of row mode costs (--only guarantees; diagnostic: the stripped triggers are not correct).
+
+GUARANTEES = (  # (key, what is taken out, cumulatively), in this order
+    ("every", "row mode, every guarantee"),
+    ("definer", "without SECURITY DEFINER and its pinned search_path"),
+    ("watchlock", "... and the watch try-lock (gap-free subscribe)"),
+    ("isolation", "... and the isolation test (exact at REPEATABLE READ)"),
+    ("whole", "... and the whole-table probe"),
+    ("wakeup", "... and the drain lock and awake test (exact wake-up, nothing for a dead broker)"),
+)
+
+
+def strip_guarantees(conn: psycopg.Connection, watch_id: int, upto: int) -> None:
+    """Replace the row-mode UPDATE trigger function of watch WATCH_ID with one without the first UPTO guarantees."""
+    src = conn.execute("SELECT pg_get_functiondef(%s::regprocedure)", (f"pgbroker._watch_{watch_id}_upd()",))
+    src = src.fetchone()[0]
+    cuts = [
+        (" SECURITY DEFINER\n", "\n"),
+        (" SET search_path TO 'pg_catalog', 'pg_temp'\n", "\n"),
+        (f"pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {watch_id})", "true"),
+        ("current_setting('transaction_isolation') = 'read committed'", "true"),
+        (f"NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {watch_id} AND row_key = 'null'::jsonb)", "true"),
+    ][: {0: 0, 1: 2, 2: 3, 3: 4}.get(upto, 5)]
+    for old, new in cuts:
+        assert old in src, (old, src)
+        src = src.replace(old, new, 1)
+    if upto >= 5:  # the fast path's wake-up test: WHERE CASE ... END; of its INSERT
+        start = src.index("WHERE CASE")
+        src = src[:start] + ";" + src[src.index("END;", start) + 4 :]
+    conn.execute(src)
+
+
+def bench_guarantees(conn: psycopg.Connection, broker: DrainingBroker, outbox: Consumer, pgbench: PgBench,
+                     cfg: Settings, results: Results) -> None:  # fmt: skip
+    print("5. what each guarantee of row mode costs a single-row UPDATE", flush=True)
+    tables = {key: f"bench.g_{key}" for key, _ in GUARANTEES}
+    for n, (key, _) in enumerate(GUARANTEES):
+        make_table(conn, tables[key], 1000)
+        watch_id = conn.execute("SELECT pgbroker.watch(%s, mode => 'row')", (tables[key],)).fetchone()[0]
+        subscribe_all(
+            conn, BROKER, broker.epoch, tables[key],
+            "SELECT 'c' || k, mod(k * 10 + j, 1000) + 1 FROM generate_series(%s::int, %s::int) k,"
+            " generate_series(0, 9) j",
+            [(0, 999)],
+        )  # fmt: skip
+        strip_guarantees(conn, watch_id, n)
+    conn.execute("VACUUM ANALYZE")
+    tables |= {"plain": TABLES["plain"], "peer_c": TABLES["peer_c"]}
+    variants = ("plain", "peer_c", *(key for key, _ in GUARANTEES))
+    server = pgbench.server
+    for writers in (1, 8):
+        s = "s" if writers > 1 else ""
+        tps: dict[str, list[float]] = {k: [] for k in variants}
+        cpu: dict[str, list[float]] = {k: [] for k in variants}
+        for r in range(cfg.tps_rounds):
+            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                vacuum(conn, *tables.values(), "pgbroker.outbox")
+                pid = outbox.backend_pid if variant == "peer_c" else broker.backend_pid if variant != "plain" else None
+                cpu0 = _cpu_now(server, pid)
+                value = pgbench.tps(f"g_{variant}{writers}", update_script(tables[variant], 1000), writers,
+                                    cfg.tps_seconds)  # fmt: skip
+                deadline = time.monotonic() + 10
+                while (
+                    time.monotonic() < deadline
+                    and conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgbench'"
+                    ).fetchone()[0]
+                ):
+                    time.sleep(0.01)
+                if variant == "peer_c":
+                    wait_consumed(conn, outbox)
+                else:
+                    wait_drained(conn, broker)
+                time.sleep(0.05)
+                cpu1 = _cpu_now(server, pid)
+                tps[variant].append(value)
+                cpu[variant].append((cpu1[0] - cpu0[0] + cpu1[1] - cpu0[1]) / max(value * cfg.tps_seconds, 1))
+                print(f"   {writers} writer{s} {variant:10s} {value:8.0f} tps", flush=True)
+        med = {k: statistics.median(tps[k]) for k in variants}
+        med_cpu = {k: statistics.median(cpu[k]) * 1e6 for k in variants}
+        previous = None
+        for key, label in GUARANTEES:
+            step = "" if previous is None else f"; this step {med_cpu[key] - med_cpu[previous]:+,.0f} us"
+            results.add(
+                f"{'  ' if previous else ''}guarantees, {writers} writer{s}: {label}",
+                f"{med[key]:,.0f} tps, {med_cpu[key]:,.0f} us CPU/txn",
+                f"{med['peer_c']:,.0f} tps, {med_cpu['peer_c']:,.0f} us CPU/txn",
+                f"{med[key] / med['peer_c']:.2f}x",
+                f"(info: vs the outbox; CPU {med_cpu[key] / med_cpu['peer_c']:.2f}x{step})",
+            )
+            previous = key
+        results.note(
+            f"guarantees, {writers} writer{s}: unwatched {med['plain']:,.0f} tps, {med_cpu['plain']:,.0f} us CPU/txn;"
+            " tps per round: " + "; ".join(f"{k} {', '.join(f'{v:,.0f}' for v in vals)}" for k, vals in tps.items())
+        )
+
+
+# ---------------------------------------------------------------------------
 # Plans of the generated trigger functions' queries (--explain).
 
 
@@ -1361,7 +1467,13 @@ def run(cfg: Settings) -> Results:
             watch_ids, notes = setup_fixture(conn, broker)
             for text in notes:
                 results.note(text)
-            consumers = {name: peer(url, name) for name, peer in PEERS.items()} if cfg.runs("throughput") else {}
+            consumers = (
+                {name: peer(url, name) for name, peer in PEERS.items()}
+                if cfg.runs("throughput")
+                else {"peer_c": PEERS["peer_c"](url, "peer_c")}
+                if cfg.runs("guarantees")
+                else {}
+            )
             broker.start()
             for consumer in consumers.values():
                 consumer.start()
@@ -1374,6 +1486,8 @@ def run(cfg: Settings) -> Results:
                     bench_huge(conn, broker, cfg, results)
                 if cfg.runs("latency"):
                     bench_latency(url, conn, broker, cfg, results)
+                if cfg.runs("guarantees"):
+                    bench_guarantees(conn, broker, consumers["peer_c"], pgbench, cfg, results)
                 if cfg.explain:
                     explain_triggers(conn)
             finally:
@@ -1391,7 +1505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, noisier figures)")
     parser.add_argument("--explain", action="store_true", help="also print auto_explain plans of the trigger queries")
     parser.add_argument("--only", action="append", choices=PARTS, default=[],
-                        help="run only this part (repeatable; default: all)")  # fmt: skip
+                        help="run only this part (repeatable; default: all but guarantees)")  # fmt: skip
     args = parser.parse_args(argv)
     cfg = Settings.quick() if args.quick else Settings()
     cfg.explain = args.explain
