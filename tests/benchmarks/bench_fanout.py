@@ -46,8 +46,10 @@ alternately with it:
    UPDATE trigger has the guarantees taken out one at a time, cumulatively
    (SECURITY DEFINER with its pinned search_path; the watch try-lock; the
    isolation test; the whole-table probe; the drain lock and awake test), run
-   in the rounds of part 1 beside unwatched and the transactional outbox.
-   Diagnostic only: the stripped triggers are not correct.
+   in the rounds of part 1 beside unwatched and the transactional outbox; then
+   the writer backend's own CPU per UPDATE in one session with
+   synchronous_commit off (no WAL flush, no consumers in the figure), in
+   alternating rounds.  Diagnostic only: the stripped triggers are not correct.
 
 The broker is a thread holding the lease on its own connection.  Its loop is
 plain psycopg calls to the SQL API: broker_wake(); outbox_fetch(max 1000, ack =>
@@ -1276,7 +1278,7 @@ def strip_guarantees(conn: psycopg.Connection, watch_id: int, upto: int) -> None
     conn.execute(src)
 
 
-def bench_guarantees(conn: psycopg.Connection, broker: DrainingBroker, outbox: Consumer, pgbench: PgBench,
+def bench_guarantees(url: str, conn: psycopg.Connection, broker: DrainingBroker, outbox: Consumer, pgbench: PgBench,
                      cfg: Settings, results: Results) -> None:  # fmt: skip
     print("5. what each guarantee of row mode costs a single-row UPDATE", flush=True)
     tables = {key: f"bench.g_{key}" for key, _ in GUARANTEES}
@@ -1339,6 +1341,42 @@ def bench_guarantees(conn: psycopg.Connection, broker: DrainingBroker, outbox: C
             f"guarantees, {writers} writer{s}: unwatched {med['plain']:,.0f} tps, {med_cpu['plain']:,.0f} us CPU/txn;"
             " tps per round: " + "; ".join(f"{k} {', '.join(f'{v:,.0f}' for v in vals)}" for k, vals in tps.items())
         )
+    # One session with synchronous_commit off: the writer's backend CPU per UPDATE, which neither the WAL flush nor
+    # the consumers blur (a step of the rounds above is within their noise on this machine).
+    updates = int(cfg.tps_seconds * 1250)
+    us: dict[str, list[float]] = {k: [] for k in variants}
+    with psycopg.connect(url, autocommit=True) as session:
+        session.execute("SET synchronous_commit = off")
+        pid = session.info.backend_pid
+        for r in range(cfg.tps_rounds):
+            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                vacuum(conn, *tables.values(), "pgbroker.outbox")
+                sql = f"UPDATE {tables[variant]} SET val = val + 1 WHERE id = %s"
+                ids = [random.randint(1, 1000) for _ in range(updates)]
+                cpu0 = _proc_cpu(pid)
+                for row in ids:
+                    session.execute(sql, (row,), prepare=True)
+                us[variant].append((_proc_cpu(pid) - cpu0) / updates * 1e6)
+                if variant == "peer_c":
+                    wait_consumed(conn, outbox)
+                elif variant != "plain":
+                    wait_drained(conn, broker)
+    med_us = {k: statistics.median(v) for k, v in us.items()}
+    previous = None
+    for key, label in GUARANTEES:
+        step = "" if previous is None else f"; this step {med_us[key] - med_us[previous]:+,.1f} us"
+        results.add(
+            f"{'  ' if previous else ''}guarantees, one session (synchronous_commit off): {label}",
+            f"{med_us[key]:,.1f} us backend CPU/UPDATE",
+            f"{med_us['peer_c']:,.1f} us backend CPU/UPDATE",
+            f"{med_us[key] / med_us['peer_c']:.2f}x",
+            f"(info: CPU vs the outbox; unwatched {med_us['plain']:,.1f} us{step})",
+        )
+        previous = key
+    results.note(
+        f"guarantees, one session: {updates:,} UPDATEs per round, backend CPU per UPDATE (us) per round: "
+        + "; ".join(f"{k} {', '.join(f'{v:,.1f}' for v in vals)}" for k, vals in us.items())
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -1487,7 +1525,7 @@ def run(cfg: Settings) -> Results:
                 if cfg.runs("latency"):
                     bench_latency(url, conn, broker, cfg, results)
                 if cfg.runs("guarantees"):
-                    bench_guarantees(conn, broker, consumers["peer_c"], pgbench, cfg, results)
+                    bench_guarantees(url, conn, broker, consumers["peer_c"], pgbench, cfg, results)
                 if cfg.explain:
                     explain_triggers(conn)
             finally:
