@@ -528,7 +528,8 @@ def test_broker_state_belongs_to_the_holder_and_is_hidden_by_the_next_claim_then
     assert b.execute("SELECT epoch FROM pgbroker.state").fetchall() == [(new,)]
     b.execute("SELECT pgbroker.broker_state_set('default', 'mode', '\"primary\"')")
     assert reader.execute("SELECT key, epoch FROM pgbroker.broker_state ORDER BY key").fetchall() == [
-        ("clients", new), ("mode", new)
+        ("clients", new),
+        ("mode", new),
     ]
 
 
