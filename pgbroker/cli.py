@@ -7,7 +7,7 @@
     pgbroker history    [--name N] [--limit N] [--json]     claims, takeovers and releases
     pgbroker clients    [--name N] [--json]     clients of live brokers
     pgbroker subscriptions [--name N] [--limit N] [--json]  who is subscribed to what
-    pgbroker watch TABLE / unwatch TABLE        install / remove the fan-out triggers (pgbroker_admin)
+    pgbroker watch TABLE [--mode row] / unwatch TABLE   install / remove fan-out triggers (pgbroker_admin)
     pgbroker prune      [--older-than '30 days']            trim the lease history (pgbroker_admin)
     pgbroker sweep      [--name N]              delete what earlier epochs left (pgbroker_broker)
     pgbroker metrics                            pgbroker.metrics in Prometheus' text format
@@ -117,7 +117,7 @@ SUBSCRIPTIONS_SQL = """\
 SELECT name, client_id, "table"::text AS "table", key, subscribed_at FROM pgbroker.subscriptions
  WHERE %(name)s::text IS NULL OR name = %(name)s::text
  ORDER BY name, client_id, "table"::text, key::text NULLS FIRST LIMIT %(limit)s"""
-WATCH_SQL = "SELECT pgbroker.watch(%s::text::regclass)"
+WATCH_SQL = "SELECT pgbroker.watch(%s::text::regclass, mode => %s)"
 UNWATCH_SQL = "SELECT pgbroker.unwatch(%s::text::regclass)"
 PRUNE_SQL = "SELECT pgbroker.lease_history_prune(%s::interval)"
 SWEEP_SQL = "SELECT pgbroker.broker_sweep(%(name)s, %(max_rows)s)"
@@ -661,18 +661,26 @@ def metrics(url: str | None) -> int:
 
 @cli.command("watch", short_help="Install the fan-out triggers on TABLE (pgbroker_admin).")
 @click.argument("table")
+@click.option(
+    "--mode",
+    type=click.Choice(["statement", "row"]),
+    default="statement",
+    show_default=True,
+    help="statement-level triggers (best for bulk writes) or row-level ones (cheaper for single-row writes);"
+    " watching again with the other mode switches them.",
+)
 @_url_option
 @_command
-def watch_table(table: str, url: str | None) -> int:
+def watch_table(table: str, mode: str, url: str | None) -> int:
     """Install the fan-out triggers on TABLE (idempotent; pgbroker_admin)."""
     url = _require_url(url)
     with _connection(url) as conn:
-        watch_id = conn.execute(WATCH_SQL, (table,)).fetchone()[0]
+        watch_id = conn.execute(WATCH_SQL, (table, mode)).fetchone()[0]
         keys = conn.execute(
             'SELECT key_columns FROM pgbroker.watched_tables WHERE "table" = %s::text::regclass', (table,)
         ).fetchone()
     key_text = f" (key: {', '.join(keys[0])})" if keys else ""
-    click.echo(f"pgbroker: watching {table}{key_text}, watch id {watch_id}")
+    click.echo(f"pgbroker: watching {table}{key_text} in {mode} mode, watch id {watch_id}")
     return EXIT_OK
 
 

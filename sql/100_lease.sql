@@ -54,28 +54,39 @@ AS $$ SELECT (p_epoch & 2147483647)::integer $$;
 COMMENT ON FUNCTION pgbroker._epoch_key(bigint) IS
     'Internal: the second key of the ''pgbh'' lock of epoch p_epoch (its low 31 bits).';
 
-CREATE FUNCTION pgbroker._my_backend_start()
+-- Reading pg_stat_activity copies the status of every backend (about 0.2 ms),
+-- too slow for every heartbeat: the value is cached for the session as
+-- '<pid>@<microseconds since 1970>'.  The cache only spares work; the checks
+-- that decide who holds a lease (_lease_alive, broker_assert) compare with the
+-- real value.  One SQL expression, inlined into its callers' queries (a
+-- PL/pgSQL call per fetch cost the broker more than the rest of the fetch).
+CREATE FUNCTION pgbroker._my_backend_start_lookup()
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_pid text := pg_backend_pid()::text;
-    v_cached text := current_setting('pgbroker.session', true);
     v_start timestamptz;
 BEGIN
-    -- Reading pg_stat_activity copies the status of every backend (about
-    -- 0.2 ms), too slow for every heartbeat: the value is cached for the
-    -- session as '<pid>@<microseconds since 1970>'.  The cache only spares
-    -- work; the checks that decide who holds a lease (_lease_alive,
-    -- broker_assert) compare with the real value.
-    IF v_cached ~ ('^' || v_pid || '@-?[0-9]+$') THEN
-        RETURN 'epoch'::timestamptz + substr(v_cached, length(v_pid) + 2)::bigint * interval '1 microsecond';
-    END IF;
     SELECT backend_start INTO v_start FROM pg_stat_get_activity(pg_backend_pid());
     PERFORM set_config('pgbroker.session',
-                       v_pid || '@' || (extract(epoch FROM v_start) * 1000000)::bigint::text, false);
+                       pg_backend_pid()::text || '@' || (extract(epoch FROM v_start) * 1000000)::bigint::text, false);
     RETURN v_start;
 END
+$$;
+COMMENT ON FUNCTION pgbroker._my_backend_start_lookup() IS
+    'Internal: when this backend started, read from pg_stat_activity and cached in the setting pgbroker.session.';
+
+CREATE FUNCTION pgbroker._my_backend_start()
+RETURNS timestamptz
+LANGUAGE sql VOLATILE
+AS $$
+    SELECT CASE WHEN pg_catalog.split_part(pg_catalog.current_setting('pgbroker.session', true), '@', 1)
+                     = pg_catalog.pg_backend_pid()::text
+                THEN 'epoch'::timestamptz
+                     + pg_catalog.split_part(pg_catalog.current_setting('pgbroker.session', true), '@', 2)::bigint
+                       * interval '1 microsecond'
+                ELSE pgbroker._my_backend_start_lookup() END
 $$;
 COMMENT ON FUNCTION pgbroker._my_backend_start() IS
     'Internal: when this backend started (cached in the setting pgbroker.session); with its pid it identifies a session even after pid reuse.';

@@ -12,6 +12,8 @@ CREATE TABLE pgbroker.watched (
     table_name text NOT NULL,
     key_columns text[] NOT NULL,
     key_types regtype[] NOT NULL,
+    -- How the triggers fire (600_triggers.sql): once per statement, or once per row.
+    mode text NOT NULL DEFAULT 'statement' CONSTRAINT watched_mode_valid CHECK (mode IN ('statement', 'row')),
     watched_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp()
 );
 COMMENT ON TABLE pgbroker.watched IS 'Tables watched by pgbroker.watch(). Internal: read the view pgbroker.watched_tables.';
@@ -20,6 +22,7 @@ COMMENT ON COLUMN pgbroker.watched.relid IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.watched.table_name IS 'Its qualified name when it was watched.';
 COMMENT ON COLUMN pgbroker.watched.key_columns IS 'Primary-key columns, in key order.';
 COMMENT ON COLUMN pgbroker.watched.key_types IS 'Their types.';
+COMMENT ON COLUMN pgbroker.watched.mode IS 'statement: statement-level triggers with transition tables; row: row-level triggers (TRUNCATE stays statement-level).';
 COMMENT ON COLUMN pgbroker.watched.watched_at IS 'When watch() last installed the triggers.';
 
 

@@ -60,19 +60,23 @@ CREATE FUNCTION pgbroker._lock_class_awake()
 RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT 1885823585 $$;
 COMMENT ON FUNCTION pgbroker._lock_class_awake() IS
-    'Internal: ''pgba''; (class, lease lock_key) is held (session level) by a broker while it is awake and draining.';
+    'Internal: ''pgba''; (class, _epoch_key(epoch)) is held (session level) by the holder of a session lease''s epoch while it is awake and draining.';
 
 -- ---------------------------------------------------------------------------
 -- Wake-ups.
 --
--- A broker that is awake holds the session-level "awake" lock of its lease
+-- A broker that is awake holds the session-level "awake" lock of its epoch
 -- and drains the outbox; writers see that and do not NOTIFY (every NOTIFY
--- serialises commits on a cluster-wide lock).  To go to sleep the broker
--- releases "awake", then waits for writers that may have seen it awake
--- (they hold the "drain" lock shared until they commit) and looks at the
--- outbox once more: a writer either saw it asleep and notifies, or committed
--- before that last look.  This holds at every isolation level, because the
--- "awake" test is a lock, not a row a snapshot could hide.
+-- serialises commits on a cluster-wide lock).  Writers take the "drain" lock
+-- shared, held to commit, before they look.  To go to sleep the broker waits
+-- until no writer holds "drain" (tries, never a queued request, so writers
+-- go on seeing it awake meanwhile), takes it, releases "awake" and looks at
+-- the outbox once more: a writer either committed before that last look, or
+-- found "drain" taken or "awake" free and notifies.  This holds at every
+-- isolation level, because the "awake" test is a lock, not a row a snapshot
+-- could hide.  Keyed by the epoch, an awake broker's lock also tells writers
+-- that its epoch's holder is alive (600_triggers.sql): no lock test of its
+-- own per broker and statement while the broker drains.
 
 CREATE FUNCTION pgbroker.wakeup_channel(name text DEFAULT 'default')
 RETURNS text
@@ -87,6 +91,26 @@ COMMENT ON FUNCTION pgbroker.wakeup_channel(text) IS
 $$The LISTEN channel on which the broker of lease NAME is woken: 'pgbroker_wakeup_' followed by the lease's number
 (never user text, so no quoting or length issue); the payload is the lease name. NULL before the first claim.$$;
 
+-- Whether the holder of epoch P_EPOCH of the lease numbered P_LOCK_KEY is
+-- alive: its "held" lock is taken (a try that fails: 100_lease.sql), or this
+-- very session holds that epoch (its own locks never conflict with it).
+-- The triggers ask only when the broker is not awake (600_triggers.sql).
+CREATE FUNCTION pgbroker._epoch_alive(p_lock_key integer, p_epoch bigint)
+RETURNS boolean
+LANGUAGE sql
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(p_epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(p_epoch))
+                     AND EXISTS (SELECT FROM pgbroker.lease h
+                                  WHERE h.lock_key = p_lock_key AND h.epoch = p_epoch AND h.state = 'held'
+                                    AND h.holder_pid = pg_backend_pid()
+                                    AND h.holder_backend_start = pgbroker._my_backend_start())
+                ELSE true END
+$$;
+COMMENT ON FUNCTION pgbroker._epoch_alive(integer, bigint) IS
+    'Internal: whether a session holds epoch p_epoch of the lease numbered p_lock_key (its alive lock is taken, or it is this session).';
+
 CREATE FUNCTION pgbroker._awake_held(p_key integer)
 RETURNS boolean
 LANGUAGE sql STABLE
@@ -98,7 +122,7 @@ AS $$
                       AND l.classid = pgbroker._lock_class_awake()::oid AND l.objid = p_key::oid AND l.objsubid = 2
                       AND l.mode = 'ExclusiveLock')
 $$;
-COMMENT ON FUNCTION pgbroker._awake_held(integer) IS 'Internal: whether this session holds the awake lock p_key.';
+COMMENT ON FUNCTION pgbroker._awake_held(integer) IS 'Internal: whether this session holds the awake lock (class, p_key), p_key an _epoch_key().';
 
 CREATE FUNCTION pgbroker.broker_wake(name text DEFAULT 'default')
 RETURNS void
@@ -112,7 +136,7 @@ DECLARE
     v_key integer;
 BEGIN
     v_epoch := pgbroker._holder_epoch(v_name);
-    SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
+    v_key := pgbroker._epoch_key(v_epoch);
     IF NOT pgbroker._awake_held(v_key) THEN
         PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
     END IF;
@@ -132,27 +156,33 @@ DECLARE
     v_name text := pgbroker._check_name(broker_sleep.name);
     v_epoch bigint := pgbroker._holder_epoch(v_name);
     v_wait_ms text := pgbroker._wait_ms(broker_sleep.wait);   -- checked before anything changes
+    v_deadline timestamptz := CASE WHEN broker_sleep.wait IS NULL THEN 'infinity'
+                                   ELSE clock_timestamp() + (v_wait_ms || ' ms')::interval END;
     v_floor bigint;
     v_key integer;
-    v_timeout text := current_setting('lock_timeout');
+    v_awake integer := pgbroker._epoch_key(v_epoch);
 BEGIN
     SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
-    IF pgbroker._awake_held(v_key) THEN
-        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_key);
+    -- Wait, still awake, until no writer holds the drain lock: by tries, so
+    -- that writers never find a request of ours queued (they would take it
+    -- for a broker going to sleep, and NOTIFY), and at most WAIT (a long
+    -- writer transaction must not keep us from draining).
+    WHILE NOT pg_try_advisory_xact_lock(pgbroker._lock_class_drain(), v_key) LOOP
+        IF clock_timestamp() >= v_deadline THEN
+            IF NOT pgbroker._awake_held(v_awake) THEN
+                PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
+            END IF;
+            RETURN 'busy';
+        END IF;
+        PERFORM pg_sleep(0.001);
+    END LOOP;
+    -- The drain lock is ours until this returns: writers from now on NOTIFY.
+    IF pgbroker._awake_held(v_awake) THEN
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_awake);
     END IF;
-    -- Wait for writers that may have seen us awake (bounded: a long writer
-    -- transaction must not stall every other writer queued behind us).
-    BEGIN
-        PERFORM set_config('lock_timeout', v_wait_ms, true);
-        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_drain(), v_key);
-        PERFORM set_config('lock_timeout', v_timeout, true);
-    EXCEPTION WHEN lock_not_available THEN
-        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
-        RETURN 'busy';
-    END;
     v_floor := pgbroker._outbox_floor(v_name, v_epoch, false);
     IF EXISTS (SELECT FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch = v_epoch AND o.id > v_floor) THEN
-        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
         RETURN 'pending';
     END IF;
     RETURN 'asleep';
@@ -162,6 +192,33 @@ COMMENT ON FUNCTION pgbroker.broker_sleep(text, interval) IS
 $$Holder only: declare the broker of lease NAME asleep, so that the next writer NOTIFYs it. Call it in autocommit mode.
 Returns 'asleep' (outbox empty: LISTEN on wakeup_channel(NAME) and wait), 'pending' (rows arrived: still awake, fetch again)
 or 'busy' (a writer transaction still open after WAIT: still awake; poll again soon).$$;
+
+-- A broker that ends its epoch awake (a release, or a new claim of its own
+-- session) stops being awake for that epoch when this commits: its lock
+-- would otherwise tell writers the epoch is alive (600_triggers.sql).
+CREATE FUNCTION pgbroker._awake_end()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF (NEW.state <> 'held' OR NEW.epoch <> OLD.epoch)
+       AND OLD.holder_pid = pg_backend_pid() AND pgbroker._awake_held(pgbroker._epoch_key(OLD.epoch)) THEN
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), pgbroker._epoch_key(OLD.epoch));
+    END IF;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._awake_end() IS
+    'Internal deferred trigger: at commit, a session whose epoch ended (released, or replaced by its own new claim) drops its awake lock of that epoch.';
+
+CREATE CONSTRAINT TRIGGER _500_awake_end
+    AFTER UPDATE OF epoch, state ON pgbroker.lease
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION pgbroker._awake_end();
+COMMENT ON TRIGGER _500_awake_end ON pgbroker.lease IS
+    'Drops the awake lock of an epoch its own session ended, when the transaction commits.';
 
 -- ---------------------------------------------------------------------------
 -- Delivery.
@@ -193,6 +250,16 @@ DECLARE
     v_first bigint;
     v_dirty boolean := true;  -- the setting needs writing (unset, or another epoch's)
 BEGIN
+    -- Most calls: this epoch's state, nothing to move (no X taken, or X not
+    -- yet below the oldest running transaction), no new (S, X) due.
+    IF v_state[1] = p_epoch::text AND cardinality(v_state) = 5
+       AND (NOT p_advance OR current_setting('transaction_isolation') <> 'read committed'
+            OR CASE WHEN v_state[4] <> '' THEN v_state[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
+                    ELSE pg_current_xact_id_if_assigned() IS NOT NULL
+                         OR to_timestamp(nullif(v_state[5], '')::double precision)
+                            >= clock_timestamp() - interval '100 ms' END) THEN
+        RETURN v_state[2]::bigint;
+    END IF;
     IF v_state[1] = p_epoch::text AND cardinality(v_state) = 5 THEN
         v_dirty := false;
         v_floor := v_state[2]::bigint;
@@ -258,12 +325,15 @@ COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
 
 -- The broker calls it in a loop, so its cost per call and per row is the
 -- broker's cost: planned once per session (re-planning cost more than the
--- fetch itself: a one-row fetch 224 µs re-planned, 85 µs with the generic
--- plan), the holder checked by one lookup (the helpers only name the error),
--- and rows returned as the triggers wrote them: client ids, nothing looked
--- up per row.  The rare rows written while a subscribe was under way
--- (clients NULL) are resolved first, and those left with nobody to tell are
--- deleted rather than returned.
+-- fetch itself: a one-row fetch 224 us re-planned, 85 us with the generic
+-- plan), and as few statements as a call allows, each paying a snapshot:
+-- one finds the holder's epoch and whether any row awaits its clients, one
+-- acknowledges the previous batch and returns the next (the rows it
+-- deletes are left out of those it returns).  Rows are returned as the
+-- triggers wrote them: client ids, nothing looked up per row but the
+-- table's name.  The rare rows written while a subscribe was under way
+-- (clients NULL) are resolved first, and those left with nobody to tell
+-- are deleted rather than returned.
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
@@ -272,34 +342,48 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    v_name text := outbox_fetch.name;
     v_epoch bigint;
+    v_unresolved boolean;
     v_floor bigint;
 BEGIN
-    PERFORM pgbroker._name_check('lease', v_name, true);
-    SELECT l.epoch INTO v_epoch FROM pgbroker.lease l
-     WHERE l.name = v_name AND l.state = 'held' AND l.expires_at IS NULL
+    PERFORM pgbroker._name_check('lease', outbox_fetch.name, true);
+    -- The holder's epoch, whether rows await their clients, and the floor
+    -- when it has nothing to move (as _outbox_floor's first test: NULL
+    -- otherwise, and _outbox_floor runs).
+    SELECT l.epoch, EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = l.name AND u.epoch = l.epoch AND u.clients IS NULL),
+           CASE WHEN f.s[1] = l.epoch::text AND cardinality(f.s) = 5
+                     AND current_setting('transaction_isolation') = 'read committed'
+                     AND CASE WHEN f.s[4] <> '' THEN f.s[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
+                              ELSE to_timestamp(nullif(f.s[5], '')::double precision) >= clock_timestamp() - interval '100 ms' END
+                THEN f.s[2]::bigint END
+      INTO v_epoch, v_unresolved, v_floor
+      FROM pgbroker.lease l,
+           (SELECT string_to_array(current_setting('pgbroker.outbox_floor', true), ':') AS s) f
+     WHERE l.name = outbox_fetch.name AND l.state = 'held' AND l.expires_at IS NULL
        AND l.holder_pid = pg_backend_pid() AND l.holder_backend_start = pgbroker._my_backend_start();
-    IF NOT FOUND THEN
-        v_epoch := pgbroker._holder_epoch(v_name);  -- raises the error that applies (bad name, PB001)
+    IF v_epoch IS NULL THEN
+        v_epoch := pgbroker._holder_epoch(outbox_fetch.name);  -- raises the error that applies (bad name, PB001)
     END IF;
     IF outbox_fetch.max_rows IS NULL OR outbox_fetch.max_rows < 1 THEN
         RAISE EXCEPTION 'max_rows must be at least 1' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- First, before this transaction writes anything (see _outbox_floor).
-    v_floor := pgbroker._outbox_floor(v_name, v_epoch, true);
-    IF outbox_fetch.ack IS NOT NULL THEN
-        -- Acknowledge the previous batch in the same round trip.
-        DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.epoch = v_epoch AND b.id = ANY (outbox_fetch.ack);
+    IF v_floor IS NULL THEN
+        -- First, before this transaction writes anything (see _outbox_floor).
+        v_floor := pgbroker._outbox_floor(outbox_fetch.name, v_epoch, true);
     END IF;
-    IF EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = v_name AND u.epoch = v_epoch AND u.clients IS NULL) THEN
-        PERFORM pgbroker._outbox_resolve(v_name, v_epoch);
+    IF v_unresolved THEN
+        PERFORM pgbroker._outbox_resolve(outbox_fetch.name, v_epoch);
     END IF;
     RETURN QUERY
+    WITH acked AS (  -- the previous batch, acknowledged in the same round trip
+        DELETE FROM pgbroker.outbox b
+         WHERE b.name = outbox_fetch.name AND b.epoch = v_epoch AND b.id = ANY (outbox_fetch.ack)
+    )
     SELECT o.id, (SELECT w.relid::regclass::text FROM pgbroker.watched w WHERE w.watch_id = o.watch_id),
            o.op::text, o.row_key, o.changed, o.clients, o.at
       FROM pgbroker.outbox o
-     WHERE o.name = v_name AND o.epoch = v_epoch AND o.id > v_floor
+     WHERE o.name = outbox_fetch.name AND o.epoch = v_epoch AND o.id > v_floor
+       AND (outbox_fetch.ack IS NULL OR o.id <> ALL (outbox_fetch.ack))
      ORDER BY o.id
      LIMIT outbox_fetch.max_rows;
 END

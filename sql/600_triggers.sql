@@ -117,35 +117,52 @@ $template$;
 COMMENT ON FUNCTION pgbroker._watch_merged_template() IS
     'Internal: template of the INSERT ... SELECT of a table with whole-table subscribers (merged per change and broker).';
 
+-- A subscribe() is under way, or the snapshot may predate one: every live
+-- broker gets the changes, their clients left NULL, resolved when fetched.
+CREATE FUNCTION pgbroker._watch_unresolved_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+        -- A subscribe() is under way, or the snapshot may predate one: every
+        -- live broker gets the changes, their clients resolved when fetched.
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT l.name, l.epoch, {{watch_id}}, l.op, l.row_key, l.changed, NULL
+          FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed
+                  FROM ({{changes}} OFFSET 0) k
+                 CROSS JOIN pgbroker.lease b
+                 WHERE b.state = 'held' AND b.expires_at IS NULL
+                OFFSET 0) l
+         WHERE {{alive_and_woken:l}}$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_unresolved_template() IS
+    'Internal: template of the INSERT ... SELECT that writes changes for every live broker with their clients left to be resolved at fetch.';
+
 -- Whether the holder of the broker of row {{r}} (a lease, or the interest of
 -- one of its epochs) is alive, and if so its wake-up.  Evaluated before the
 -- outbox row is written, in this order:
---   - no session holds that epoch (its alive lock is free, and this session
---     is not its holder): the broker is gone, or that epoch was replaced by
---     a new claim and its rows wait for broker_sweep(): write nothing;
---   - the broker is going to sleep (broker_sleep() holds or awaits the drain
---     lock): NOTIFY it;
---   - it sleeps (the awake lock is free): NOTIFY it, holding the drain lock
---     shared to commit, so broker_sleep() waits for this transaction or it
---     hears the NOTIFY;
---   - it is awake and draining: it will see the row.
--- A lock test and not a row a snapshot could hide: right at every isolation
+--   - the broker is going to sleep (broker_sleep() holds the drain lock):
+--     NOTIFY it, if the epoch's holder is alive;
+--   - it is not awake (the awake lock of that epoch is free): it sleeps, or
+--     the epoch has no holder (the broker is gone, or that epoch was
+--     replaced by a new claim and its rows wait for broker_sweep()); if its
+--     holder is alive, NOTIFY it, holding the drain lock shared to commit,
+--     so broker_sleep() waits for this transaction or it hears the NOTIFY;
+--     otherwise write nothing;
+--   - it is awake and draining: it will see the row, and its holder is
+--     alive (only the epoch's holder takes its awake lock, and drops it when
+--     the epoch ends): no test of its own (500_outbox.sql).
+-- Lock tests and not rows a snapshot could hide: right at every isolation
 -- level.  A NOTIFY repeated in one transaction is sent once.
 CREATE FUNCTION pgbroker._watch_alive_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = {{r}}.lock_key AND h.epoch = {{r}}.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), {{r}}.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
+                THEN pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                     AND pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
             ELSE true
         END$t$
@@ -185,16 +202,7 @@ BEGIN
             PERFORM set_config('jit', v_jit, true);
         END IF;
     ELSE
-        -- A subscribe() is under way, or the snapshot may predate one: every
-        -- live broker gets the changes, their clients resolved when fetched.
-        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT l.name, l.epoch, {{watch_id}}, l.op, l.row_key, l.changed, NULL
-          FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed
-                  FROM ({{changes}} OFFSET 0) k
-                 CROSS JOIN pgbroker.lease b
-                 WHERE b.state = 'held' AND b.expires_at IS NULL
-                OFFSET 0) l
-         WHERE {{alive_and_woken:l}};
+{{unresolved}};
     END IF;
     RETURN NULL;
 END
@@ -202,6 +210,65 @@ $t$
 $template$;
 COMMENT ON FUNCTION pgbroker._watch_trigger_template() IS
     'Internal: template of the INSERT, UPDATE and DELETE trigger functions of a watched table (see sql/600_triggers.sql).';
+
+-- Row mode: the trigger functions of INSERT, UPDATE and DELETE, run for
+-- each changed row with OLD and NEW at hand (no transition tables, no join).
+-- {{row_body}}: the fan-out of the row's change (below); for an UPDATE, of
+-- the change of its columns, or of a D and an I when its key changed.
+CREATE FUNCTION pgbroker._watch_row_trigger_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+BEGIN
+{{row_body}}
+    RETURN NULL;
+END
+$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_row_trigger_template() IS
+    'Internal: template of the row-level INSERT, UPDATE and DELETE trigger functions of a table watched in row mode.';
+
+CREATE FUNCTION pgbroker._watch_row_update_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$    IF {{same_key}} THEN
+{{fanout_update}}
+    ELSE
+        -- A key change: a D of the old key and an I of the new one.
+{{fanout_rekey}}
+    END IF;$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_row_update_template() IS
+    'Internal: template of the body of the row-level UPDATE trigger function (an UPDATE of the key is a D and an I).';
+
+-- The fan-out of one row's change(s), {{changes}} (a query over NEW and OLD
+-- of one or two rows; an UPDATE that changes nothing has none): the tests
+-- of statement mode, in as few steps as a row allows, for it runs once per
+-- row.  The watch lock and isolation test, then whether the table has
+-- whole-table subscribers, then one INSERT: the subscribers of the row's key
+-- (pgbroker.interest: one index probe), one outbox row per live broker.
+CREATE FUNCTION pgbroker._watch_row_fanout_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb) THEN
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM ({{changes}}) k
+                          JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE {{alive_and_woken:z}};
+            ELSE
+{{merged}};
+            END IF;
+        ELSE
+{{unresolved}};
+        END IF;$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_row_fanout_template() IS
+    'Internal: template of the fan-out of one row''s change(s) in the row-level trigger functions.';
 
 -- The TRUNCATE trigger function: every client with any interest in the table
 -- hears of it, one row per broker (of its live epoch).
@@ -307,6 +374,50 @@ COMMENT ON FUNCTION pgbroker._watch_lock_table(regclass, interval) IS
 -- ---------------------------------------------------------------------------
 -- Watching a table.
 
+-- The SQL expressions over the rows of a watched table, its NEW rows named
+-- P_NEW and its OLD rows P_OLD (range variables n and o of the transition
+-- tables, whole rows (k.n) and (k.o), or PL/pgSQL's NEW and OLD): the key
+-- (jsonb, as _encode_key makes it) of each, whether they have the same key,
+-- whether one is missing (a FULL JOIN found none), and the names of the
+-- columns whose value changed.
+CREATE FUNCTION pgbroker._watch_exprs(p_watch pgbroker.watched, p_new text, p_old text)
+RETURNS jsonb
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_exprs jsonb;
+    v_changed text;
+BEGIN
+    SELECT jsonb_build_object(
+               'new_key', CASE WHEN count(*) = 1 THEN format('to_jsonb(%s.%I)', p_new, min(c))
+                               ELSE format('jsonb_build_array(%s)', string_agg(format('%s.%I', p_new, c), ', ' ORDER BY i)) END,
+               'old_key', CASE WHEN count(*) = 1 THEN format('to_jsonb(%s.%I)', p_old, min(c))
+                               ELSE format('jsonb_build_array(%s)', string_agg(format('%s.%I', p_old, c), ', ' ORDER BY i)) END,
+               'same_key', string_agg(format('%1$s.%3$I = %2$s.%3$I', p_new, p_old, c), ' AND ' ORDER BY i),
+               'new_null', format('%s.%I IS NULL', p_new, min(c) FILTER (WHERE i = 1)),
+               'old_null', format('%s.%I IS NULL', p_old, min(c) FILTER (WHERE i = 1)))
+      INTO v_exprs
+      FROM unnest(p_watch.key_columns) WITH ORDINALITY AS u(c, i);
+    -- IS DISTINCT FROM where the type has an equality operator of its own,
+    -- the text forms otherwise (json, xml, point...).
+    SELECT format('array_remove(ARRAY[%s]::text[], NULL)',
+                  string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
+                                  THEN format('CASE WHEN %1$s.%3$I IS DISTINCT FROM %2$s.%3$I THEN %3$L END',
+                                              p_new, p_old, a.attname)
+                                  ELSE format('CASE WHEN %1$s.%3$I::text IS DISTINCT FROM %2$s.%3$I::text THEN %3$L END',
+                                              p_new, p_old, a.attname)
+                             END, ', ' ORDER BY a.attnum))
+      INTO v_changed
+      FROM pg_catalog.pg_attribute a
+      CROSS JOIN LATERAL format_type(a.atttypid, NULL) AS t
+     WHERE a.attrelid = p_watch.relid AND a.attnum > 0 AND NOT a.attisdropped;
+    RETURN v_exprs || jsonb_build_object('changed', v_changed);
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_exprs(pgbroker.watched, text, text) IS
+    'Internal: the SQL expressions (keys, same key, missing row, changed columns) over the NEW and OLD rows of a watched table, named as given.';
+
 -- The SQL expressions of a watched table that fill the templates' slots.
 CREATE FUNCTION pgbroker._watch_slots(p_watch pgbroker.watched)
 RETURNS jsonb
@@ -314,46 +425,16 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_key_n text;    -- the row's key (jsonb, as _encode_key makes it) over NEW rows n
-    v_key_o text;    -- over OLD rows o
-    v_same_key text; -- n and o have the same key
-    v_n_null text;   -- no NEW row (the UPDATE's FULL JOIN found none: a key change)
-    v_o_null text;
-    v_changed text;  -- the names of the columns whose value changed
-    v_changed_k text; -- the same over the whole rows k.n and k.o (bulk statements)
+    r jsonb := pgbroker._watch_exprs(p_watch, 'n', 'o');          -- over the transition tables' rows
+    v_changed_k text := pgbroker._watch_exprs(p_watch, '(k.n)', '(k.o)') ->> 'changed';  -- whole rows (bulk)
+    r_row jsonb := pgbroker._watch_exprs(p_watch, 'NEW', 'OLD');   -- one row (row mode)
 BEGIN
-    SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb(n.%I)', min(c))
-                ELSE format('jsonb_build_array(%s)', string_agg(format('n.%I', c), ', ' ORDER BY i)) END,
-           CASE WHEN count(*) = 1 THEN format('to_jsonb(o.%I)', min(c))
-                ELSE format('jsonb_build_array(%s)', string_agg(format('o.%I', c), ', ' ORDER BY i)) END,
-           string_agg(format('n.%I = o.%I', c, c), ' AND ' ORDER BY i),
-           format('n.%I IS NULL', min(c) FILTER (WHERE i = 1)),
-           format('o.%I IS NULL', min(c) FILTER (WHERE i = 1))
-      INTO v_key_n, v_key_o, v_same_key, v_n_null, v_o_null
-      FROM unnest(p_watch.key_columns) WITH ORDINALITY AS u(c, i);
-    -- IS DISTINCT FROM where the type has an equality operator of its own,
-    -- the text forms otherwise (json, xml, point...).
-    SELECT format('array_remove(ARRAY[%s]::text[], NULL)',
-                  string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
-                                  THEN format('CASE WHEN n.%I IS DISTINCT FROM o.%I THEN %L END', a.attname, a.attname, a.attname)
-                                  ELSE format('CASE WHEN n.%I::text IS DISTINCT FROM o.%I::text THEN %L END', a.attname, a.attname, a.attname)
-                             END, ', ' ORDER BY a.attnum)),
-           format('array_remove(ARRAY[%s]::text[], NULL)',
-                  string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
-                                  THEN format('CASE WHEN (k.n).%I IS DISTINCT FROM (k.o).%I THEN %L END', a.attname, a.attname, a.attname)
-                                  ELSE format('CASE WHEN (k.n).%I::text IS DISTINCT FROM (k.o).%I::text THEN %L END', a.attname, a.attname, a.attname)
-                             END, ', ' ORDER BY a.attnum))
-      INTO v_changed, v_changed_k
-      FROM pg_catalog.pg_attribute a
-      CROSS JOIN LATERAL format_type(a.atttypid, NULL) AS t
-     WHERE a.attrelid = p_watch.relid AND a.attnum > 0 AND NOT a.attisdropped;
-
     RETURN jsonb_build_object(
         'watch_id', p_watch.watch_id,
         'ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed FROM pgbroker_new n$q$,
-                              v_key_n),
+                              r ->> 'new_key'),
         'del_changes', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed FROM pgbroker_old o$q$,
-                              v_key_o),
+                              r ->> 'old_key'),
         -- OLD and NEW rows paired by key: a key change is a D and an I, an
         -- UPDATE that changes no column is no change.
         'upd_changes', format($q$SELECT c.op, c.row_key, c.changed FROM (
@@ -362,18 +443,29 @@ BEGIN
                      CASE WHEN %1$s OR %2$s THEN NULL ELSE %5$s END AS changed
                 FROM pgbroker_new n FULL JOIN pgbroker_old o ON %6$s) c
              WHERE c.op <> 'U' OR cardinality(c.changed) > 0$q$,
-                              v_o_null, v_n_null, v_key_o, v_key_n, v_changed, v_same_key),
+                              r ->> 'old_null', r ->> 'new_null', r ->> 'old_key', r ->> 'new_key', r ->> 'changed',
+                              r ->> 'same_key'),
         -- Bulk statements compare the columns of subscribed rows only: the
         -- changes with their whole OLD and NEW rows, and the comparison.
-        'ins_keyed', format($q$SELECT 'I'::"char" AS op, %s AS row_key FROM pgbroker_new n$q$, v_key_n),
-        'del_keyed', format($q$SELECT 'D'::"char" AS op, %s AS row_key FROM pgbroker_old o$q$, v_key_o),
+        'ins_keyed', format($q$SELECT 'I'::"char" AS op, %s AS row_key FROM pgbroker_new n$q$, r ->> 'new_key'),
+        'del_keyed', format($q$SELECT 'D'::"char" AS op, %s AS row_key FROM pgbroker_old o$q$, r ->> 'old_key'),
         'upd_keyed', format($q$SELECT (CASE WHEN %1$s THEN 'I' WHEN %2$s THEN 'D' ELSE 'U' END)::"char" AS op,
                      CASE WHEN %2$s THEN %3$s ELSE %4$s END AS row_key, n, o
                 FROM pgbroker_new n FULL JOIN pgbroker_old o ON %5$s$q$,
-                              v_o_null, v_n_null, v_key_o, v_key_n, v_same_key),
+                              r ->> 'old_null', r ->> 'new_null', r ->> 'old_key', r ->> 'new_key', r ->> 'same_key'),
         'ins_changed_late', 'NULL::text[]',
         'del_changed_late', 'NULL::text[]',
-        'upd_changed_late', format($q$CASE WHEN k.op = 'U' THEN %s END$q$, v_changed_k));
+        'upd_changed_late', format($q$CASE WHEN k.op = 'U' THEN %s END$q$, v_changed_k),
+        -- Row mode: the change of one row, over PL/pgSQL's NEW and OLD.
+        'row_ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'new_key'),
+        'row_del_changes', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'old_key'),
+        'row_upd_changes', format($q$SELECT 'U'::"char" AS op, %s AS row_key, c.changed FROM (SELECT %s AS changed) c
+                                   WHERE cardinality(c.changed) > 0$q$, r_row ->> 'new_key', r_row ->> 'changed'),
+        'row_rekey_changes', format($q$SELECT * FROM (VALUES ('D'::"char", %s, NULL::text[]), ('I', %s, NULL))
+                                     AS c (op, row_key, changed)$q$, r_row ->> 'old_key', r_row ->> 'new_key'),
+        'same_key', r_row ->> 'same_key');
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_slots(pgbroker.watched) IS
@@ -388,15 +480,25 @@ AS $$
 DECLARE
     v_slots jsonb := pgbroker._watch_slots(p_watch);
     v_body text;
+    v_fanout text;
     v_row text;
 BEGIN
     IF p_kind = 'trunc' THEN
-        v_body := pgbroker._watch_truncate_template();
+        v_body := pgbroker._watch_truncate_template();  -- a statement trigger in both modes
+    ELSIF p_watch.mode = 'row' THEN
+        -- The statements first (their own slots are filled below) ...
+        v_fanout := replace(replace(pgbroker._watch_row_fanout_template(), '{{merged}}', pgbroker._watch_merged_template()),
+                            '{{unresolved}}', pgbroker._watch_unresolved_template());
+        v_body := replace(pgbroker._watch_row_trigger_template(), '{{row_body}}', CASE p_kind
+            WHEN 'upd' THEN replace(replace(pgbroker._watch_row_update_template(),
+                                            '{{fanout_update}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_upd_changes')),
+                                    '{{fanout_rekey}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_rekey_changes'))
+            ELSE replace(v_fanout, '{{changes}}', v_slots ->> ('row_' || p_kind || '_changes')) END);
     ELSE
         v_body := pgbroker._watch_trigger_template();
-        -- The statements first (their own slots are filled below) ...
         v_body := replace(v_body, '{{fanout}}', pgbroker._watch_fanout_template());
         v_body := replace(v_body, '{{merged}}', pgbroker._watch_merged_template());
+        v_body := replace(v_body, '{{unresolved}}', pgbroker._watch_unresolved_template());
         v_body := replace(v_body, '{{bulk_literal}}', quote_literal(
                               pgbroker._render(replace(pgbroker._watch_bulk_template(), '{{alive_and_woken:l}}',
                                                        pgbroker._render(pgbroker._watch_alive_template(), '{"r": "l"}')),
@@ -412,7 +514,8 @@ BEGIN
     END LOOP;
     RETURN pgbroker._render(v_body, v_slots - ARRAY['ins_changes', 'del_changes', 'upd_changes', 'ins_keyed', 'del_keyed',
                                                     'upd_keyed', 'ins_changed_late', 'del_changed_late',
-                                                    'upd_changed_late']);
+                                                    'upd_changed_late', 'row_ins_changes', 'row_del_changes',
+                                                    'row_upd_changes', 'row_rekey_changes']);
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_function_body(pgbroker.watched, text) IS
@@ -451,8 +554,13 @@ BEGIN
                        format('Internal: %s trigger of watched table %s (generated by pgbroker.watch).', v_event, v_table));
         -- Generated functions are internal: nobody calls them but the triggers.
         EXECUTE format('REVOKE ALL ON FUNCTION %s() FROM PUBLIC', v_fn);
-        EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s %s FOR EACH STATEMENT EXECUTE FUNCTION %s()',
-                       '_pgbroker_watch_' || v_kind, v_event, v_table, v_transitions, v_fn);
+        IF p_watch.mode = 'row' AND v_kind <> 'trunc' THEN
+            EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s FOR EACH ROW EXECUTE FUNCTION %s()',
+                           '_pgbroker_watch_' || v_kind, v_event, v_table, v_fn);
+        ELSE
+            EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s %s FOR EACH STATEMENT EXECUTE FUNCTION %s()',
+                           '_pgbroker_watch_' || v_kind, v_event, v_table, v_transitions, v_fn);
+        END IF;
         EXECUTE format('COMMENT ON TRIGGER %I ON %s IS %L', '_pgbroker_watch_' || v_kind, v_table,
                        format('pgbroker: tells subscribed clients of %s.',
                               CASE v_kind WHEN 'ins' THEN 'inserted rows' WHEN 'upd' THEN 'updated rows'
@@ -461,7 +569,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_install(pgbroker.watched, interval) IS
-    'Internal: (re)generate the trigger functions of a watched table and (re)create its triggers.';
+    'Internal: (re)generate the trigger functions of a watched table and (re)create its triggers, of its mode, in the caller''s transaction under the table''s lock.';
 
 CREATE FUNCTION pgbroker._watch_drop_triggers(p_watch pgbroker.watched)
 RETURNS void
@@ -485,7 +593,7 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_drop_triggers(pgbroker.watched) IS 'Internal: drop the pgbroker triggers of a watched table.';
 
-CREATE FUNCTION pgbroker.watch("table" regclass, wait interval DEFAULT '5 s')
+CREATE FUNCTION pgbroker.watch("table" regclass, wait interval DEFAULT '5 s', mode text DEFAULT 'statement')
 RETURNS integer
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -499,6 +607,11 @@ DECLARE
 BEGIN
     IF watch."table" IS NULL THEN
         RAISE EXCEPTION 'table must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF watch.mode IS NULL OR watch.mode NOT IN ('statement', 'row') THEN
+        RAISE EXCEPTION 'unknown mode %', coalesce(quote_literal(watch.mode), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'statement (statement-level triggers, the default) or row (row-level triggers).';
     END IF;
     SELECT * INTO v_rel FROM pg_catalog.pg_class WHERE oid = watch."table";
     IF v_rel.relkind <> 'r' THEN
@@ -518,10 +631,10 @@ BEGIN
         RAISE EXCEPTION 'table % has no primary key', watch."table"
             USING ERRCODE = 'PB020', HINT = 'pgbroker identifies changed rows by their primary key: add one.';
     END IF;
-    INSERT INTO pgbroker.watched AS w (relid, table_name, key_columns, key_types)
-    VALUES (watch."table", watch."table"::text, v_cols, v_types)
+    INSERT INTO pgbroker.watched AS w (relid, table_name, key_columns, key_types, mode)
+    VALUES (watch."table", watch."table"::text, v_cols, v_types, watch.mode)
     ON CONFLICT ON CONSTRAINT watched_relid_unique
-    DO UPDATE SET table_name = excluded.table_name, watched_at = clock_timestamp()
+    DO UPDATE SET table_name = excluded.table_name, mode = excluded.mode, watched_at = clock_timestamp()
     RETURNING * INTO v_watch;
     IF v_watch.key_columns IS DISTINCT FROM v_cols OR v_watch.key_types IS DISTINCT FROM v_types THEN
         RAISE EXCEPTION 'the primary key of % changed since it was watched', watch."table"
@@ -531,12 +644,15 @@ BEGIN
     RETURN v_watch.watch_id;
 END
 $$;
-COMMENT ON FUNCTION pgbroker.watch(regclass, interval) IS
+COMMENT ON FUNCTION pgbroker.watch(regclass, interval, text) IS
 $$Admin: watch TABLE (an ordinary table with a primary key; 42809 for a view or other relation, PB020 without a key).
-Installs statement-level triggers (INSERT, UPDATE, DELETE with transition tables; TRUNCATE) that write the subscribed
-clients of each changed row to the outbox and wake their brokers. Idempotent: call it again after ALTER TABLE adds or
-removes columns. Returns the watch id. Writers of the table never queue behind it: it asks for the table's lock in 50 ms
-tries with pauses between them, up to WAIT (NULL: no limit), then fails with PB022.$$;
+Installs triggers that write the subscribed clients of each changed row to the outbox and wake their brokers: with MODE
+'statement' (the default) statement-level triggers with transition tables, best for tables changed in bulk; with MODE
+'row' row-level ones, cheaper for single-row writes (TRUNCATE is a statement trigger in both); 22023 for another mode.
+Both give the same notifications. Idempotent: call it again, with the same mode, after ALTER TABLE adds or removes
+columns; with the other mode it switches the table's triggers in one transaction, with no gap. Returns the watch id.
+Writers of the table never queue behind it: it asks for the table's lock in 50 ms tries with pauses between them, up to
+WAIT (NULL: no limit), then fails with PB022.$$;
 
 CREATE FUNCTION pgbroker.unwatch("table" regclass, wait interval DEFAULT '5 s')
 RETURNS boolean

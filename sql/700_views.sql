@@ -92,15 +92,16 @@ COMMENT ON COLUMN pgbroker.broker_state.updated_at IS 'When it was last set.';
 -- Views.
 
 CREATE VIEW pgbroker.watched_tables AS
-SELECT w.relid::regclass AS "table", w.key_columns, w.watched_at,
+SELECT w.relid::regclass AS "table", w.key_columns, w.mode, w.watched_at,
        (SELECT count(*) FROM pgbroker.subscription s
           JOIN pgbroker.client c ON c.client_key = s.client_key
           JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
          WHERE s.watch_id = w.watch_id) AS subscriptions
   FROM pgbroker.watched w;
-COMMENT ON VIEW pgbroker.watched_tables IS 'Tables watched by pgbroker, with their key columns and number of subscriptions.';
+COMMENT ON VIEW pgbroker.watched_tables IS 'Tables watched by pgbroker, with their key columns, trigger mode and number of subscriptions.';
 COMMENT ON COLUMN pgbroker.watched_tables."table" IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.watched_tables.key_columns IS 'Its primary-key columns, in the order used by key encoding.';
+COMMENT ON COLUMN pgbroker.watched_tables.mode IS 'How its triggers fire: statement (once per statement, with transition tables) or row (once per changed row); see watch().';
 COMMENT ON COLUMN pgbroker.watched_tables.watched_at IS 'When watch() last installed its triggers.';
 COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscriptions to it (of the brokers'' current epochs).';
 

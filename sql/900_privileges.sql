@@ -116,7 +116,7 @@ TO pgbroker_user;
 -- Admins: watching tables and housekeeping (takeover => true is checked by
 -- broker_claim itself: the login role must be a member of pgbroker_admin).
 GRANT EXECUTE ON FUNCTION
-    pgbroker.watch(regclass, interval),
+    pgbroker.watch(regclass, interval, text),
     pgbroker.unwatch(regclass, interval),
     pgbroker.lease_history_prune(interval),
     pgbroker.name_grant(text, text, regrole, text),

@@ -124,6 +124,28 @@ def template_db(pg_server: EmbeddedPostgres) -> str:
     return url
 
 
+# The fan-out tests run once per trigger mode of pgbroker.watch() (sql/600_triggers.sql): a test that asks for the
+# fixture watch_mode gets a database whose initech.objects is watched in that mode, and watches its own tables
+# with fanout_util.watch(conn, table, watch_mode).
+WATCH_MODES = ("statement", "row")
+
+
+@pytest.fixture(scope="session")
+def template_db_row(pg_server: EmbeddedPostgres, template_db: str) -> str:
+    """A copy of the template whose initech.objects is watched in row mode; returns its name."""
+    name = f"{TEMPLATE}_row"
+    admin_execute(pg_server, f"CREATE DATABASE {name} TEMPLATE {TEMPLATE}")
+    with psycopg.connect(pg_server.url_for(name), autocommit=True) as conn:
+        conn.execute("SELECT pgbroker.watch('initech.objects', mode => 'row')")
+    return name
+
+
+@pytest.fixture(params=WATCH_MODES)
+def watch_mode(request: pytest.FixtureRequest) -> str:
+    """The trigger mode this run of a fan-out test uses (initech.objects is watched in it)."""
+    return request.param
+
+
 def new_database(server: EmbeddedPostgres, template: str | None = TEMPLATE) -> str:
     name = f"t{os.getpid()}_{next(_counter)}"
     clause = f" TEMPLATE {template}" if template else ""
@@ -135,8 +157,11 @@ def new_database(server: EmbeddedPostgres, template: str | None = TEMPLATE) -> s
 
 
 @pytest.fixture
-def db_name(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[str]:
-    name = new_database(pg_server)
+def db_name(request: pytest.FixtureRequest, pg_server: EmbeddedPostgres, template_db: str) -> Iterator[str]:
+    template = TEMPLATE
+    if "watch_mode" in request.fixturenames and request.getfixturevalue("watch_mode") == "row":
+        template = request.getfixturevalue("template_db_row")
+    name = new_database(pg_server, template)
     try:
         yield name
     finally:

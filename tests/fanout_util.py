@@ -12,6 +12,11 @@ from psycopg.types.json import Jsonb
 OBJECTS = "initech.objects"
 
 
+def watch(conn: psycopg.Connection, table: str, mode: str = "statement") -> int:
+    """pgbroker.watch() TABLE in trigger MODE (the fan-out tests' watch_mode fixture)."""
+    return conn.execute("SELECT pgbroker.watch(%s::regclass, mode => %s)", (table, mode)).fetchone()[0]
+
+
 def claim(conn: psycopg.Connection, name: str = "default") -> int:
     return conn.execute("SELECT pgbroker.broker_claim(%s)", (name,)).fetchone()[0]
 

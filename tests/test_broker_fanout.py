@@ -16,7 +16,7 @@ def _seed(conn: psycopg.Connection, n: int = 10) -> None:
     conn.execute("INSERT INTO initech.objects (id, name) SELECT g, 'o' || g FROM generate_series(1, %s) g", (n,))
 
 
-def test_register_subscribe_and_iterate(db_url, connect):
+def test_register_subscribe_and_iterate(db_url, connect, watch_mode):
     writer = connect("writer")
     _seed(writer)
     with Broker(db_url, heartbeat_interval=0.2) as broker:
@@ -76,7 +76,7 @@ def test_failed_handler_gets_the_batch_again(db_url, connect):
         assert [(n.op, n.key) for n in redelivered] == [("U", 1)]
 
 
-def test_iterator_wakes_on_notify_and_acknowledges(db_url, connect):
+def test_iterator_wakes_on_notify_and_acknowledges(db_url, connect, watch_mode):
     """An idle broker is woken by the writer's NOTIFY well before the poll interval."""
     writer = connect("writer")
     _seed(writer)

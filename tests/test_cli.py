@@ -127,7 +127,8 @@ def test_migrate_core_only_without_initech(empty_db):
     assert result.returncode == 0, result.stderr
     with psycopg.connect(empty_db) as conn:
         assert conn.execute("SELECT to_regclass('initech.objects')").fetchone()[0] is None
-        assert conn.execute("SELECT to_regprocedure('pgbroker.watch(regclass, interval)')").fetchone()[0] is not None
+        watch = "SELECT to_regprocedure('pgbroker.watch(regclass, interval, text)')"
+        assert conn.execute(watch).fetchone()[0] is not None
         # Every revision is recorded, so later upgrades keep working.
         assert conn.execute("SELECT version_num FROM pgbroker.alembic_version").fetchone()[0] == install_head()
     result = pgbroker("downgrade", "--url", empty_db)
@@ -341,10 +342,13 @@ def test_watch_unwatch_and_prune(pg_server, db_name, db_url, connect):
     admin_url = pg_server.url_for(db_name, user="t_admin")
     result = pgbroker("watch", "public.gadgets", "--url", admin_url)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("pgbroker: watching public.gadgets (key: shop, id), watch id ")
-    assert obs.execute(
-        "SELECT key_columns FROM pgbroker.watched_tables WHERE \"table\" = 'gadgets'::regclass"
-    ).fetchone()[0] == ["shop", "id"]
+    assert result.stdout.startswith("pgbroker: watching public.gadgets (key: shop, id) in statement mode, watch id ")
+    watched = "SELECT key_columns, mode FROM pgbroker.watched_tables WHERE \"table\" = 'gadgets'::regclass"
+    assert obs.execute(watched).fetchone() == (["shop", "id"], "statement")
+    result = pgbroker("watch", "public.gadgets", "--mode", "row", "--url", admin_url)  # switches the triggers
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("pgbroker: watching public.gadgets (key: shop, id) in row mode, watch id ")
+    assert obs.execute(watched).fetchone() == (["shop", "id"], "row")
     result = pgbroker("watch", "no_such_table", "--url", admin_url)
     assert result.returncode == 1 and result.stderr.startswith("pgbroker watch: ")
     assert 'relation "no_such_table" does not exist' in result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import psycopg
@@ -27,6 +28,7 @@ from fanout_util import (
     unsubscribe,
     wait_until,
     wake,
+    watch,
 )
 from psycopg.types.json import Jsonb
 
@@ -111,18 +113,18 @@ def test_clients_view_lists_live_brokers_only(connect):
 
 
 @pytest.fixture
-def odd_tables(connect):
+def odd_tables(connect, watch_mode):
     admin = connect("admin")
     admin.execute(f"CREATE SCHEMA {ODD_SCHEMA}")
     admin.execute(f'CREATE TABLE {ODD_TABLE} ("I d" uuid PRIMARY KEY, "the ""value""" text)')
     admin.execute(f"CREATE TABLE {TEXT_TABLE} (code text PRIMARY KEY, v int)")
     admin.execute(f"CREATE TABLE {PAIR_TABLE} (region text, n int, v int, PRIMARY KEY (region, n))")
     for table in (ODD_TABLE, TEXT_TABLE, PAIR_TABLE):
-        admin.execute("SELECT pgbroker.watch(%s::regclass)", (table,))
+        watch(admin, table, watch_mode)
     return admin
 
 
-def test_subscribe_row_whole_table_and_composite_keys(connect, odd_tables):
+def test_subscribe_row_whole_table_and_composite_keys(connect, watch_mode, odd_tables):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
     for c in ("row", "whole", "text", "pair"):
@@ -182,7 +184,7 @@ def test_subscribe_row_whole_table_and_composite_keys(connect, odd_tables):
     ).fetchone() == (0,)
 
 
-def test_unregister_drops_subscriptions_and_interest(connect):
+def test_unregister_drops_subscriptions_and_interest(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
     seed_objects(writer, range(1, 4))
@@ -201,7 +203,7 @@ def test_unregister_drops_subscriptions_and_interest(connect):
     assert summary(drain(broker)) == [("U", 1, ["name"], ("c2",))]
 
 
-def test_fetch_lists_clients_in_subscription_order_and_leaves_out_unregistered_ones(connect):
+def test_fetch_lists_clients_in_subscription_order_and_leaves_out_unregistered_ones(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
     seed_objects(writer, [1])
@@ -217,7 +219,7 @@ def test_fetch_lists_clients_in_subscription_order_and_leaves_out_unregistered_o
     ]
 
 
-def test_a_pending_row_whose_only_client_unregistered_is_dropped_not_returned(connect):
+def test_a_pending_row_whose_only_client_unregistered_is_dropped_not_returned(connect, watch_mode):
     broker, writer, admin = connect("broker"), connect("writer"), connect("admin")
     claim(broker)
     seed_objects(writer, [1, 2])
@@ -232,7 +234,7 @@ def test_a_pending_row_whose_only_client_unregistered_is_dropped_not_returned(co
     assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone() == (0,)
 
 
-def test_a_new_claim_hides_earlier_epochs_at_once_and_the_sweep_deletes_them(connect):
+def test_a_new_claim_hides_earlier_epochs_at_once_and_the_sweep_deletes_them(connect, watch_mode):
     old, new, writer = connect("old broker"), connect("new broker"), connect("writer")
     other, reader = connect("other broker"), connect("reader", user="t_reader")
     epoch = claim(old)
@@ -299,7 +301,7 @@ def test_broker_sweep_rejects_bad_arguments_and_sweeps_every_lease_without_a_nam
 # What the triggers write.
 
 
-def test_insert_update_delete_write_the_right_rows(connect):
+def test_insert_update_delete_write_the_right_rows(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
     register(broker, "c1")
@@ -335,7 +337,7 @@ def test_insert_update_delete_write_the_right_rows(connect):
     ]
 
 
-def test_key_changing_update_is_delete_plus_insert(connect):
+def test_key_changing_update_is_delete_plus_insert(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
     seed_objects(writer, [1, 2])
@@ -349,7 +351,7 @@ def test_key_changing_update_is_delete_plus_insert(connect):
     assert sorted(summary(drain(broker))) == [("D", 1, None, ("all", "old")), ("I", 5, None, ("all", "new"))]
 
 
-def test_truncate_tells_every_broker_with_subscribers(connect):
+def test_truncate_tells_every_broker_with_subscribers(connect, watch_mode):
     a, b, c, writer = connect("a"), connect("b"), connect("c"), connect("writer")
     for conn, name in ((a, "a"), (b, "b"), (c, "c")):
         claim(conn, name)
@@ -367,7 +369,7 @@ def test_truncate_tells_every_broker_with_subscribers(connect):
     assert fetch(c, "c") == []
 
 
-def test_client_on_row_and_whole_table_hears_each_change_once(connect):
+def test_client_on_row_and_whole_table_hears_each_change_once(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
     seed_objects(writer, range(1, 5))
@@ -384,10 +386,10 @@ def test_client_on_row_and_whole_table_hears_each_change_once(connect):
     ]
 
 
-def test_json_column_changes_are_detected(connect):
+def test_json_column_changes_are_detected(connect, watch_mode):
     admin, broker = connect("admin"), connect("broker")
     admin.execute("CREATE TABLE public.docs (id int PRIMARY KEY, doc json, pt point, tags int[])")
-    admin.execute("SELECT pgbroker.watch('public.docs')")
+    watch(admin, "public.docs", watch_mode)
     admin.execute("""INSERT INTO public.docs VALUES (1, '{"a": 1}', '(1,1)', '{1,2}')""")
     claim(broker)
     register(broker, "c")
@@ -403,7 +405,7 @@ def test_json_column_changes_are_detected(connect):
     ]
 
 
-def test_bulk_update_with_few_subscribers_writes_few_rows(connect):
+def test_bulk_update_with_few_subscribers_writes_few_rows(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
     seed_objects(writer, range(1, 2001))
@@ -420,7 +422,7 @@ def test_bulk_update_with_few_subscribers_writes_few_rows(connect):
 
 
 @pytest.mark.parametrize("rows", [100, 1100])  # probed row by row; planned at each run
-def test_bulk_statements_match_keys_as_single_row_statements_do(connect, rows):
+def test_bulk_statements_match_keys_as_single_row_statements_do(connect, watch_mode, rows):
     # Statements of 100 rows run the cached plan, of 1,100 rows one planned
     # for their size; both must find exactly the rows the single-row
     # statements find, for keys of every kind (jsonb compares strings byte
@@ -452,7 +454,7 @@ def test_bulk_statements_match_keys_as_single_row_statements_do(connect, rows):
             "(a text, b integer, v integer, PRIMARY KEY (a, b))" if typ is None else f"(k {typ} PRIMARY KEY, v integer)"
         )
         admin.execute(f"CREATE TABLE public.{table} {key}")
-        admin.execute(f"SELECT pgbroker.watch('public.{table}')")
+        watch(admin, f"public.{table}", watch_mode)
     claim(broker)
     register(broker, "c")
     keys = {}
@@ -491,7 +493,7 @@ def test_bulk_statements_match_keys_as_single_row_statements_do(connect, rows):
 
 
 @pytest.mark.parametrize("half", [100, 600])  # statements of 100 and 200 rows, then of 600 and 1,200 (planned each run)
-def test_bulk_statements_wake_exactly_the_brokers_they_wrote_to(connect, half):
+def test_bulk_statements_wake_exactly_the_brokers_they_wrote_to(connect, watch_mode, half):
     # Bulk statements skip RETURNING when one broker has all the table's
     # interest, and write nothing when none has any; the wake-ups stay exact.
     a, b, writer = connect("broker a"), connect("broker b"), connect("writer")
@@ -564,7 +566,7 @@ def test_a_huge_first_statement_does_not_slow_later_mid_size_ones(connect):
 # Wake-ups.
 
 
-def test_asleep_broker_is_woken_once_per_transaction(connect):
+def test_asleep_broker_is_woken_once_per_transaction(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
     ch = listen(broker)
@@ -590,7 +592,7 @@ def test_asleep_broker_is_woken_once_per_transaction(connect):
     assert notifies(broker, 0.3) == []
 
 
-def test_no_notify_while_awake_and_sleep_reports_pending(connect):
+def test_no_notify_while_awake_and_sleep_reports_pending(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
     listen(broker)
@@ -618,7 +620,7 @@ def test_no_notify_while_awake_and_sleep_reports_pending(connect):
     assert notifies(broker, 0.3) == []
 
 
-def test_sleep_reports_busy_while_a_writer_that_saw_it_awake_is_open(connect):
+def test_sleep_reports_busy_while_a_writer_that_saw_it_awake_is_open(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer", autocommit=False)
     claim(broker)
     seed_objects(broker, [1])
@@ -634,7 +636,70 @@ def test_sleep_reports_busy_while_a_writer_that_saw_it_awake_is_open(connect):
     assert sleep(broker) == "asleep"
 
 
-def test_many_brokers_each_change_reaches_the_right_broker_only(connect):
+def test_writers_go_on_seeing_the_broker_awake_while_it_waits_to_sleep(connect, watch_mode):
+    # broker_sleep() waits for writers that saw it awake by tries, never by a queued lock request: a request
+    # would make every writer that comes meanwhile take it for a broker going to sleep, and NOTIFY (each
+    # NOTIFY serialises commits).  Writers that come while it waits see it awake and stay silent.
+    broker, writer, other, listener = (
+        connect("broker"),
+        connect("writer", autocommit=False),
+        connect("other"),
+        connect("listener"),
+    )
+    claim(broker)
+    listen(listener)
+    seed_objects(other, [1, 2])
+    register(broker, "c")
+    subscribe(broker, "c", key=1)
+    subscribe(broker, "c", key=2)
+    wake(broker)
+    writer.execute("UPDATE initech.objects SET name = 'open' WHERE id = 1")  # saw it awake, stays open
+    result: list[str] = []
+    t = threading.Thread(target=lambda: result.append(sleep(broker, wait="600 ms")))
+    t.start()
+    time.sleep(0.2)
+    other.execute("UPDATE initech.objects SET name = 'meanwhile' WHERE id = 2")
+    t.join(10)
+    assert result == ["busy"]
+    assert notifies(listener, 0.3) == []
+    writer.commit()
+    assert notifies(listener, 0.3) == []  # still awake: it must look again
+    assert sorted(r["key"] for r in drain(broker)) == [1, 2]
+    assert sleep(broker) == "asleep"
+    other.execute("UPDATE initech.objects SET name = 'asleep' WHERE id = 2")
+    assert [n.payload for n in notifies(listener, 0.5)] == ["default"]
+
+
+def test_a_broker_that_releases_its_lease_awake_gets_nothing_written_for_it(connect, watch_mode):
+    # The awake lock is keyed by the epoch and tells writers that the epoch's holder is alive: a release
+    # (or a new claim of the same session) drops it when it commits, a rolled-back one keeps it.
+    broker, writer, admin = connect("broker"), connect("writer"), connect("admin")
+    epoch = claim(broker)
+    seed_objects(writer, [1])
+    register(broker, "c")
+    subscribe(broker, "c", key=1)
+    wake(broker)
+    with pytest.raises(ZeroDivisionError), broker.transaction():
+        broker.execute("SELECT pgbroker.broker_release()")
+        raise ZeroDivisionError
+    writer.execute("UPDATE initech.objects SET name = 'still held' WHERE id = 1")
+    assert summary(drain(broker)) == [("U", 1, ["name"], ("c",))]
+    assert broker.execute("SELECT pgbroker.broker_release()").fetchone() == (True,)
+    writer.execute("UPDATE initech.objects SET name = 'released' WHERE id = 1")
+    assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone() == (0,)
+    wake_key = admin.execute("SELECT pgbroker._epoch_key(%s)", (epoch,)).fetchone()[0]
+    held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = pgbroker._lock_class_awake()::oid"
+    assert admin.execute(held + " AND objid = %s", (wake_key,)).fetchone() == (0,)
+    # The same session claims again, awake, then claims a new epoch: the old epoch's awake lock goes too.
+    new_epoch = claim(broker)
+    assert new_epoch > epoch
+    wake(broker)
+    assert admin.execute(held).fetchone() == (1,)
+    broker.execute("SELECT pgbroker.broker_release()")
+    assert admin.execute(held).fetchone() == (0,)
+
+
+def test_many_brokers_each_change_reaches_the_right_broker_only(connect, watch_mode):
     a, b, writer = connect("broker a"), connect("broker b"), connect("writer")
     epoch_a, epoch_b = claim(a, "a"), claim(b, "b")
     ch_a, ch_b = listen(a, "a"), listen(b, "b")
@@ -702,7 +767,7 @@ def test_at_least_once_fetch_without_ack_returns_rows_again(connect):
     assert broker.execute("SELECT count(*) FROM pgbroker.outbox_pending").fetchone() == (0,)
 
 
-def test_per_object_commit_order(connect):
+def test_per_object_commit_order(connect, watch_mode):
     broker, w1 = connect("broker"), connect("w1", autocommit=False)
     w2 = connect("w2", autocommit=False)
     claim(broker)
@@ -735,7 +800,7 @@ def test_per_object_commit_order(connect):
     assert rows[0]["id"] < rows[1]["id"]
 
 
-def test_broker_dying_mid_batch_loses_nothing_its_successor_needs(connect):
+def test_broker_dying_mid_batch_loses_nothing_its_successor_needs(connect, watch_mode):
     first, writer, watcher = connect("broker 1"), connect("writer"), connect("watcher")
     first_epoch = claim(first)
     seed_objects(writer, range(1, 6))
@@ -795,11 +860,14 @@ def test_rows_written_for_an_earlier_epoch_are_never_fetched_and_the_sweep_delet
     assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0] == 0
 
 
-def test_generated_triggers_name_the_lock_classes_of_subscribe_and_sleep(connect):
+def test_generated_triggers_name_the_lock_classes_of_subscribe_and_sleep(connect, watch_mode):
     """The triggers call the lock-class functions that subscribe, claim and sleep use (folded to constants when
-    planned), never pasted numbers that could drift from them."""
+    planned), never pasted numbers that could drift from them; the epoch's alive lock is tested by
+    pgbroker._epoch_alive, only when its broker is not awake."""
     admin = connect("admin")
     names = ["_lock_class_watch", "_lock_class_drain", "_lock_class_awake", "_lock_class_alive"]
+    alive = admin.execute("SELECT prosrc FROM pg_proc WHERE oid = 'pgbroker._epoch_alive'::regproc").fetchone()[0]
+    assert "pgbroker._lock_class_alive()" in alive
     values = admin.execute(f"SELECT {', '.join(f'pgbroker.{n}()' for n in names)}").fetchone()
     bodies = [
         r[0]
@@ -809,8 +877,9 @@ def test_generated_triggers_name_the_lock_classes_of_subscribe_and_sleep(connect
     ]
     assert len(bodies) >= 4  # initech.objects is watched in the test database
     for body in bodies:
+        assert "pgbroker._epoch_alive(" in body
         for name, value in zip(names, values, strict=True):
-            assert f"pgbroker.{name}()" in body
+            assert f"pgbroker.{name}()" in body or name == "_lock_class_alive"
             assert str(value) not in body
 
 
@@ -944,18 +1013,19 @@ def test_trigger_statements_that_can_be_large_are_never_jit_compiled(connect):
     ]
 
 
-def test_watching_a_table_sends_no_notice(connect):
+def test_watching_a_table_sends_no_notice(connect, watch_mode):
     admin = connect("admin")
     admin.execute("CREATE TABLE public.quiet (id integer PRIMARY KEY, v text)")
     notices: list[str] = []
     admin.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
-    admin.execute("SELECT pgbroker.watch('public.quiet')")
-    admin.execute("SELECT pgbroker.watch('public.quiet')")  # again: replaces the triggers
+    watch(admin, "public.quiet", watch_mode)
+    watch(admin, "public.quiet", watch_mode)  # again: replaces the triggers
+    watch(admin, "public.quiet", "row" if watch_mode == "statement" else "statement")  # switches them
     admin.execute("SELECT pgbroker.unwatch('public.quiet')")
     assert notices == []
 
 
-def test_keys_match_whatever_the_sessions_settings(connect):
+def test_keys_match_whatever_the_sessions_settings(connect, watch_mode):
     # to_jsonb() of a timestamptz, an interval, a float or a bytea depends on
     # the session (TimeZone, IntervalStyle, extra_float_digits, bytea_output).
     # Subscriber and writer sessions that differ must still name the same row.
@@ -964,7 +1034,7 @@ def test_keys_match_whatever_the_sessions_settings(connect):
         "CREATE TABLE public.odd_keys (at timestamptz, span interval, f float8, b bytea, v int,"
         " PRIMARY KEY (at, span, f, b))"
     )
-    admin.execute("SELECT pgbroker.watch('public.odd_keys')")
+    watch(admin, "public.odd_keys", watch_mode)
     broker.execute("SET TimeZone = 'Asia/Tokyo'; SET IntervalStyle = 'sql_standard'")
     broker.execute("SET extra_float_digits = 3; SET bytea_output = 'escape'")  # 3: exact, but another format
     writer.execute("SET TimeZone = 'America/New_York'; SET IntervalStyle = 'iso_8601'")

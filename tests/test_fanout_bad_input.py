@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psycopg
 import pytest
-from fanout_util import claim, pgbroker_state_counts, register
+from fanout_util import claim, pgbroker_state_counts, register, watch
 
 STATEMENTS_WATCH = [
     ("SELECT pgbroker.watch('public.nokey')", "PB020"),
@@ -14,6 +14,8 @@ STATEMENTS_WATCH = [
     ("""SELECT pgbroker.watch('pub"lic. x y')""", "42602"),
     ("SELECT pgbroker.watch(NULL)", "22004"),
     ("SELECT pgbroker.watch('pgbroker.outbox')", "42809"),
+    ("SELECT pgbroker.watch('initech.objects', mode => 'rows')", "22023"),
+    ("SELECT pgbroker.watch('initech.objects', mode => NULL)", "22023"),
 ]
 
 
@@ -43,6 +45,7 @@ def test_watch_rejects_bad_tables_and_installs_nothing(connect, statement, code)
     assert (generated(su), pgbroker_state_counts(su)) == before
     assert before[0] == (4, 4)  # initech.objects only
     assert su.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.nokey'::regclass").fetchone() == (0,)
+    assert su.execute("SELECT mode FROM pgbroker.watched_tables").fetchall() == [("statement",)]
 
 
 def test_unwatch_of_an_unwatched_table_is_false(connect):
@@ -113,17 +116,18 @@ def test_registry_and_delivery_reject_bad_arguments(connect, broker):
     assert broker.execute("SELECT pgbroker.wakeup_channel('never claimed')").fetchone() == (None,)
 
 
-def test_subscribe_refuses_a_table_whose_triggers_are_gone_or_disabled(connect):
+def test_subscribe_refuses_a_table_whose_triggers_are_gone_or_disabled(connect, watch_mode):
     su, broker = connect("superuser"), connect("broker")
     su.execute("CREATE TABLE public.fragile (id int PRIMARY KEY, v int)")
-    su.execute("SELECT pgbroker.watch('public.fragile')")
+    watch(su, "public.fragile", watch_mode)
     claim(broker)
     register(broker, "c")
     before = pgbroker_state_counts(su)
     for broken, mend in (
         ("ALTER TABLE public.fragile DISABLE TRIGGER _pgbroker_watch_upd",
          "ALTER TABLE public.fragile ENABLE TRIGGER _pgbroker_watch_upd"),
-        ("DROP TRIGGER _pgbroker_watch_del ON public.fragile", "SELECT pgbroker.watch('public.fragile')"),
+        ("DROP TRIGGER _pgbroker_watch_del ON public.fragile",
+         f"SELECT pgbroker.watch('public.fragile', mode => '{watch_mode}')"),
     ):  # fmt: skip
         su.execute(broken)
         assert error_of(broker, "SELECT pgbroker.subscribe('c', 'public.fragile', '1')") == "PB021"

@@ -15,6 +15,7 @@ from collections import Counter
 import psycopg
 import pytest
 from fanout_util import (
+    OBJECTS,
     ack,
     claim,
     count,
@@ -27,6 +28,7 @@ from fanout_util import (
     subscribe,
     wait_until,
     wake,
+    watch,
 )
 
 from pgbroker import install
@@ -41,7 +43,7 @@ def blocked(conn: psycopg.Connection, pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_subscribe_then_read_misses_no_change_under_concurrent_writers(connect):
+def test_subscribe_then_read_misses_no_change_under_concurrent_writers(connect, watch_mode):
     admin, broker = connect("admin"), connect("broker")
     admin.execute("CREATE TABLE public.wlog (seq bigserial PRIMARY KEY, row_id bigint NOT NULL, v bigint NOT NULL)")
     seed_objects(admin, range(1, N_ROWS + 1))
@@ -124,7 +126,7 @@ def test_subscribe_then_read_misses_no_change_under_concurrent_writers(connect):
     print(f"subscriptions={len(subs)} commits={sum(commits.values())} raced={raced}")
 
 
-def test_repeatable_read_writer_with_a_snapshot_older_than_a_subscribe_is_heard(connect):
+def test_repeatable_read_writer_with_a_snapshot_older_than_a_subscribe_is_heard(connect, watch_mode):
     # Its snapshot cannot see the subscription, so a REPEATABLE READ writer
     # writes its change for every live broker, the clients resolved at fetch:
     # it neither fails nor waits, and the new subscriber hears of the change.
@@ -153,7 +155,7 @@ def test_repeatable_read_writer_with_a_snapshot_older_than_a_subscribe_is_heard(
     assert [(r["op"], r["key"], r["changed"], r["clients"]) for r in drain(broker)] == [("U", 1, ["name"], ["c"])]
 
 
-def test_subscribe_waits_for_a_writer_past_its_trigger(connect):
+def test_subscribe_waits_for_a_writer_past_its_trigger(connect, watch_mode):
     broker, admin = connect("broker"), connect("admin")
     writer = connect("rr writer", autocommit=False)
     claim(broker)
@@ -182,12 +184,12 @@ def test_subscribe_waits_for_a_writer_past_its_trigger(connect):
 
 
 @pytest.mark.slow
-def test_no_outbox_row_is_stranded_longer_than_the_poll_interval(connect):
+def test_no_outbox_row_is_stranded_longer_than_the_poll_interval(connect, watch_mode):
     poll = 0.2
     slack = 0.3
     admin, consumer = connect("admin"), connect("consumer")
     admin.execute("CREATE TABLE public.events (id bigint PRIMARY KEY, by text)")
-    admin.execute("SELECT pgbroker.watch('public.events')")
+    watch(admin, "public.events", watch_mode)
     claim(consumer)
     register(consumer, "all")
     subscribe(consumer, "all", "public.events")
@@ -269,6 +271,64 @@ def test_no_outbox_row_is_stranded_longer_than_the_poll_interval(connect):
 
 
 @pytest.mark.slow
+def test_switching_the_mode_under_writers_loses_and_doubles_nothing(connect):
+    """watch() with the other mode replaces the table's triggers in one transaction, under the table's lock:
+    each statement runs under one set of them, so every change committed while the mode flips back and forth
+    is written once, whether it came alone or several in one statement."""
+    admin, broker = connect("admin"), connect("broker")
+    seed_objects(admin, range(1, N_ROWS + 1))
+    claim(broker)
+    register(broker, "c")
+    for key in range(1, N_ROWS + 1):
+        subscribe(broker, "c", key=key)
+    counter = itertools.count(1)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    committed: Counter = Counter()  # key -> changes committed
+
+    def writer(n: int) -> None:
+        rnd = random.Random(n)
+        try:
+            with connect(f"writer {n}") as conn:
+                while not stop.is_set():
+                    keys = sorted(rnd.sample(range(1, N_ROWS + 1), rnd.choice((1, 1, 3))))
+                    try:
+                        conn.execute(
+                            "UPDATE initech.objects SET name = %s WHERE id = ANY (%s)", (f"v{next(counter)}", keys)
+                        )
+                    except psycopg.errors.DeadlockDetected:
+                        continue  # two statements of several rows met in opposite orders: nothing committed
+                    committed.update(keys)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(N_WRITERS)]
+    for t in threads:
+        t.start()
+    modes = []
+    try:
+        for mode in ("row", "statement") * 3:
+            time.sleep(0.15)
+            watch(admin, OBJECTS, mode)
+            levels = admin.execute(
+                "SELECT DISTINCT (tgtype & 1) = 1 FROM pg_trigger"
+                " WHERE tgrelid = %s::regclass AND tgname <> '_pgbroker_watch_trunc'",
+                (OBJECTS,),
+            ).fetchall()
+            modes.append((admin.execute("SELECT mode FROM pgbroker.watched_tables").fetchone()[0], levels))
+        time.sleep(0.15)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
+    assert modes == [("row", [(True,)]), ("statement", [(False,)])] * 3
+    got = Counter(r["key"] for r in drain(broker) if r["op"] == "U")
+    assert sum(committed.values()) >= 100
+    assert got == committed
+
+
+@pytest.mark.slow
 def test_server_crash_empties_the_outbox_and_brokers_start_a_new_epoch():
     server = EmbeddedPostgres()
     server.start()
@@ -318,11 +378,11 @@ def test_server_crash_empties_the_outbox_and_brokers_start_a_new_epoch():
         server.stop()
 
 
-def test_fetch_floor_never_passes_a_row_still_in_flight(connect):
+def test_fetch_floor_never_passes_a_row_still_in_flight(connect, watch_mode):
     """outbox_fetch starts above a per-session floor; the floor must stay below a row whose writer is still open."""
     admin, consumer = connect("admin"), connect("consumer")
     admin.execute("CREATE TABLE public.floor_events (id bigint PRIMARY KEY)")
-    admin.execute("SELECT pgbroker.watch('public.floor_events')")
+    watch(admin, "public.floor_events", watch_mode)
     claim(consumer)
     register(consumer, "all")
     subscribe(consumer, "all", "public.floor_events")

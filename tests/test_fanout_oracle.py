@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import psycopg
-from fanout_util import drain, register, renew, subscribe, unsubscribe
+from fanout_util import drain, register, renew, subscribe, unsubscribe, watch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -182,10 +182,10 @@ def apply(op: tuple, writer: psycopg.Connection, model: Model, conns: dict[str, 
     return want
 
 
-def test_outbox_matches_model(connect):
+def test_outbox_matches_model(connect, watch_mode):
     admin = connect("admin")
     admin.execute(f"CREATE TABLE {TABLE} (id int PRIMARY KEY, a int NOT NULL, b text NOT NULL, j json NOT NULL)")
-    admin.execute("SELECT pgbroker.watch(%s::regclass)", (TABLE,))
+    watch(admin, TABLE, watch_mode)
     conns = {name: connect(f"broker {name}") for name in BROKERS}
     writer = connect("writer")
 

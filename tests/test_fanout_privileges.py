@@ -91,7 +91,7 @@ def test_role_without_pgbroker_rights_sees_nothing(connect, populated):
     assert denied(nobody, "SELECT pgbroker.client_register('x')") == "42501"
 
 
-def test_writer_role_triggers_run_but_it_cannot_read_the_outbox(connect, populated, writer_role):
+def test_writer_role_triggers_run_but_it_cannot_read_the_outbox(connect, populated, writer_role, watch_mode):
     broker = populated
     drain(broker)
     listen(broker)

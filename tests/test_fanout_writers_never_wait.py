@@ -28,7 +28,7 @@ def _waiting(admin: psycopg.Connection, pid: int) -> bool:
     return bool(admin.execute("SELECT cardinality(pg_blocking_pids(%s)) > 0", (pid,)).fetchone()[0])
 
 
-def test_writers_go_on_while_a_subscribe_waits_and_none_is_missed(connect):
+def test_writers_go_on_while_a_subscribe_waits_and_none_is_missed(connect, watch_mode):
     admin, broker = connect("admin"), connect("broker")
     slow = connect("slow batch", autocommit=False)
     claim(broker)
@@ -108,7 +108,7 @@ def test_a_watch_with_a_negative_wait_is_refused(connect):
     assert count(admin, "SELECT count(*) FROM pgbroker.watched WHERE relid = 'public.neg'::regclass") == 0
 
 
-def test_nothing_is_written_for_a_broker_whose_session_is_gone(connect):
+def test_nothing_is_written_for_a_broker_whose_session_is_gone(connect, watch_mode):
     admin, writer = connect("admin"), connect("writer")
     seed_objects(admin, range(1, 201))
     broker = connect("broker")
@@ -133,7 +133,7 @@ def test_nothing_is_written_for_a_broker_whose_session_is_gone(connect):
     assert drain(successor) == []
 
 
-def test_nothing_is_written_for_a_ttl_lease(connect):
+def test_nothing_is_written_for_a_ttl_lease(connect, watch_mode):
     # A TTL lease has no session that could fetch: its interest costs writers nothing either.
     admin, worker, writer = connect("admin"), connect("worker"), connect("writer")
     seed_objects(admin, [1])

@@ -1,9 +1,10 @@
-"""The generated triggers of initech.objects, rendered, equal the committed reference file.
+"""The generated triggers of initech.objects, rendered in both modes, equal the committed reference files.
 
-``sql/reference/initech_objects_triggers.sql`` shows what pgbroker.watch()
-generates for a real table (sql/600_triggers.sql holds the templates), so that
-every change to the generator shows up in review as a diff of real trigger
-code.  After changing the templates, rewrite the file with::
+``sql/reference/initech_objects_triggers.sql`` (statement mode, the default)
+and ``sql/reference/initech_objects_triggers_row.sql`` (``mode => 'row'``) show
+what pgbroker.watch() generates for a real table (sql/600_triggers.sql holds
+the templates), so that every change to the generator shows up in review as a
+diff of real trigger code.  After changing the templates, rewrite them with::
 
     PGBROKER_UPDATE_REFERENCE=1 python -m pytest tests/test_reference_rendering.py
 """
@@ -13,10 +14,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-REFERENCE = Path(__file__).resolve().parent.parent / "sql" / "reference" / "initech_objects_triggers.sql"
+import pytest
+
+REFERENCES = Path(__file__).resolve().parent.parent / "sql" / "reference"
+FILES = {"statement": "initech_objects_triggers.sql", "row": "initech_objects_triggers_row.sql"}
+CALLS = {"statement": "pgbroker.watch('initech.objects')", "row": "pgbroker.watch('initech.objects', mode => 'row')"}
 
 HEADER = """\
--- Reference rendering (generated; do not edit): what pgbroker.watch('initech.objects') installs.
+-- Reference rendering (generated; do not edit): what {call} installs.
 --
 -- The templates are in sql/600_triggers.sql; tests/test_reference_rendering.py
 -- renders them on a fresh install and compares with this file.  After changing
@@ -24,9 +29,10 @@ HEADER = """\
 """
 
 
-def render(conn) -> str:
+def render(conn, mode: str) -> str:
+    conn.execute(f"SELECT {CALLS[mode]}")
     conn.execute("SET search_path = pg_catalog")  # names come out schema-qualified, whatever the database's setting
-    parts = [HEADER]
+    parts = [HEADER.format(call=CALLS[mode])]
     rows = conn.execute(
         """
         SELECT t.tgname, pg_get_triggerdef(t.oid), pg_get_functiondef(t.tgfoid)
@@ -43,12 +49,14 @@ def render(conn) -> str:
     return "".join(parts)
 
 
-def test_the_reference_rendering_of_initech_objects_is_current(connect):
-    rendered = render(connect("admin"))
+@pytest.mark.parametrize("mode", list(FILES))
+def test_the_reference_rendering_of_initech_objects_is_current(connect, mode):
+    rendered = render(connect("admin"), mode)
+    reference = REFERENCES / FILES[mode]
     if os.environ.get("PGBROKER_UPDATE_REFERENCE"):
-        REFERENCE.write_text(rendered)
-    assert REFERENCE.exists(), f"{REFERENCE} is missing: see this module's docstring"
-    assert REFERENCE.read_text() == rendered, (
-        f"{REFERENCE.name} differs from what the templates render: review the change, then rewrite it "
+        reference.write_text(rendered)
+    assert reference.exists(), f"{reference} is missing: see this module's docstring"
+    assert reference.read_text() == rendered, (
+        f"{reference.name} differs from what the templates render: review the change, then rewrite it "
         "(PGBROKER_UPDATE_REFERENCE=1 python -m pytest tests/test_reference_rendering.py)"
     )

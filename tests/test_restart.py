@@ -252,7 +252,7 @@ def _pairs(clients: int, per_client: int, rows: int) -> tuple[list[str], list[st
 
 
 @pytest.mark.slow
-def test_two_takeovers_in_a_row_with_writers_throughout(connect):
+def test_two_takeovers_in_a_row_with_writers_throughout(connect, watch_mode):
     """Broker A has 2,000 clients x 5 subscriptions; it is killed and B takes over, then C from B, while
     writers update the table throughout and sweeps run beside them.  Nothing of an earlier epoch is ever
     delivered (every fetched row names only the fetching broker's own clients), counted as a client, or makes a

@@ -409,28 +409,39 @@ AS $$ SELECT (p_epoch & 2147483647)::integer $$;
 COMMENT ON FUNCTION pgbroker._epoch_key(bigint) IS
     'Internal: the second key of the ''pgbh'' lock of epoch p_epoch (its low 31 bits).';
 
-CREATE FUNCTION pgbroker._my_backend_start()
+-- Reading pg_stat_activity copies the status of every backend (about 0.2 ms),
+-- too slow for every heartbeat: the value is cached for the session as
+-- '<pid>@<microseconds since 1970>'.  The cache only spares work; the checks
+-- that decide who holds a lease (_lease_alive, broker_assert) compare with the
+-- real value.  One SQL expression, inlined into its callers' queries (a
+-- PL/pgSQL call per fetch cost the broker more than the rest of the fetch).
+CREATE FUNCTION pgbroker._my_backend_start_lookup()
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_pid text := pg_backend_pid()::text;
-    v_cached text := current_setting('pgbroker.session', true);
     v_start timestamptz;
 BEGIN
-    -- Reading pg_stat_activity copies the status of every backend (about
-    -- 0.2 ms), too slow for every heartbeat: the value is cached for the
-    -- session as '<pid>@<microseconds since 1970>'.  The cache only spares
-    -- work; the checks that decide who holds a lease (_lease_alive,
-    -- broker_assert) compare with the real value.
-    IF v_cached ~ ('^' || v_pid || '@-?[0-9]+$') THEN
-        RETURN 'epoch'::timestamptz + substr(v_cached, length(v_pid) + 2)::bigint * interval '1 microsecond';
-    END IF;
     SELECT backend_start INTO v_start FROM pg_stat_get_activity(pg_backend_pid());
     PERFORM set_config('pgbroker.session',
-                       v_pid || '@' || (extract(epoch FROM v_start) * 1000000)::bigint::text, false);
+                       pg_backend_pid()::text || '@' || (extract(epoch FROM v_start) * 1000000)::bigint::text, false);
     RETURN v_start;
 END
+$$;
+COMMENT ON FUNCTION pgbroker._my_backend_start_lookup() IS
+    'Internal: when this backend started, read from pg_stat_activity and cached in the setting pgbroker.session.';
+
+CREATE FUNCTION pgbroker._my_backend_start()
+RETURNS timestamptz
+LANGUAGE sql VOLATILE
+AS $$
+    SELECT CASE WHEN pg_catalog.split_part(pg_catalog.current_setting('pgbroker.session', true), '@', 1)
+                     = pg_catalog.pg_backend_pid()::text
+                THEN 'epoch'::timestamptz
+                     + pg_catalog.split_part(pg_catalog.current_setting('pgbroker.session', true), '@', 2)::bigint
+                       * interval '1 microsecond'
+                ELSE pgbroker._my_backend_start_lookup() END
 $$;
 COMMENT ON FUNCTION pgbroker._my_backend_start() IS
     'Internal: when this backend started (cached in the setting pgbroker.session); with its pid it identifies a session even after pid reuse.';
@@ -1929,6 +1940,8 @@ CREATE TABLE pgbroker.watched (
     table_name text NOT NULL,
     key_columns text[] NOT NULL,
     key_types regtype[] NOT NULL,
+    -- How the triggers fire (600_triggers.sql): once per statement, or once per row.
+    mode text NOT NULL DEFAULT 'statement' CONSTRAINT watched_mode_valid CHECK (mode IN ('statement', 'row')),
     watched_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp()
 );
 COMMENT ON TABLE pgbroker.watched IS 'Tables watched by pgbroker.watch(). Internal: read the view pgbroker.watched_tables.';
@@ -1937,6 +1950,7 @@ COMMENT ON COLUMN pgbroker.watched.relid IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.watched.table_name IS 'Its qualified name when it was watched.';
 COMMENT ON COLUMN pgbroker.watched.key_columns IS 'Primary-key columns, in key order.';
 COMMENT ON COLUMN pgbroker.watched.key_types IS 'Their types.';
+COMMENT ON COLUMN pgbroker.watched.mode IS 'statement: statement-level triggers with transition tables; row: row-level triggers (TRUNCATE stays statement-level).';
 COMMENT ON COLUMN pgbroker.watched.watched_at IS 'When watch() last installed the triggers.';
 
 
@@ -2548,19 +2562,23 @@ CREATE FUNCTION pgbroker._lock_class_awake()
 RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT 1885823585 $$;
 COMMENT ON FUNCTION pgbroker._lock_class_awake() IS
-    'Internal: ''pgba''; (class, lease lock_key) is held (session level) by a broker while it is awake and draining.';
+    'Internal: ''pgba''; (class, _epoch_key(epoch)) is held (session level) by the holder of a session lease''s epoch while it is awake and draining.';
 
 -- ---------------------------------------------------------------------------
 -- Wake-ups.
 --
--- A broker that is awake holds the session-level "awake" lock of its lease
+-- A broker that is awake holds the session-level "awake" lock of its epoch
 -- and drains the outbox; writers see that and do not NOTIFY (every NOTIFY
--- serialises commits on a cluster-wide lock).  To go to sleep the broker
--- releases "awake", then waits for writers that may have seen it awake
--- (they hold the "drain" lock shared until they commit) and looks at the
--- outbox once more: a writer either saw it asleep and notifies, or committed
--- before that last look.  This holds at every isolation level, because the
--- "awake" test is a lock, not a row a snapshot could hide.
+-- serialises commits on a cluster-wide lock).  Writers take the "drain" lock
+-- shared, held to commit, before they look.  To go to sleep the broker waits
+-- until no writer holds "drain" (tries, never a queued request, so writers
+-- go on seeing it awake meanwhile), takes it, releases "awake" and looks at
+-- the outbox once more: a writer either committed before that last look, or
+-- found "drain" taken or "awake" free and notifies.  This holds at every
+-- isolation level, because the "awake" test is a lock, not a row a snapshot
+-- could hide.  Keyed by the epoch, an awake broker's lock also tells writers
+-- that its epoch's holder is alive (600_triggers.sql): no lock test of its
+-- own per broker and statement while the broker drains.
 
 CREATE FUNCTION pgbroker.wakeup_channel(name text DEFAULT 'default')
 RETURNS text
@@ -2575,6 +2593,26 @@ COMMENT ON FUNCTION pgbroker.wakeup_channel(text) IS
 $$The LISTEN channel on which the broker of lease NAME is woken: 'pgbroker_wakeup_' followed by the lease's number
 (never user text, so no quoting or length issue); the payload is the lease name. NULL before the first claim.$$;
 
+-- Whether the holder of epoch P_EPOCH of the lease numbered P_LOCK_KEY is
+-- alive: its "held" lock is taken (a try that fails: 100_lease.sql), or this
+-- very session holds that epoch (its own locks never conflict with it).
+-- The triggers ask only when the broker is not awake (600_triggers.sql).
+CREATE FUNCTION pgbroker._epoch_alive(p_lock_key integer, p_epoch bigint)
+RETURNS boolean
+LANGUAGE sql
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(p_epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(p_epoch))
+                     AND EXISTS (SELECT FROM pgbroker.lease h
+                                  WHERE h.lock_key = p_lock_key AND h.epoch = p_epoch AND h.state = 'held'
+                                    AND h.holder_pid = pg_backend_pid()
+                                    AND h.holder_backend_start = pgbroker._my_backend_start())
+                ELSE true END
+$$;
+COMMENT ON FUNCTION pgbroker._epoch_alive(integer, bigint) IS
+    'Internal: whether a session holds epoch p_epoch of the lease numbered p_lock_key (its alive lock is taken, or it is this session).';
+
 CREATE FUNCTION pgbroker._awake_held(p_key integer)
 RETURNS boolean
 LANGUAGE sql STABLE
@@ -2586,7 +2624,7 @@ AS $$
                       AND l.classid = pgbroker._lock_class_awake()::oid AND l.objid = p_key::oid AND l.objsubid = 2
                       AND l.mode = 'ExclusiveLock')
 $$;
-COMMENT ON FUNCTION pgbroker._awake_held(integer) IS 'Internal: whether this session holds the awake lock p_key.';
+COMMENT ON FUNCTION pgbroker._awake_held(integer) IS 'Internal: whether this session holds the awake lock (class, p_key), p_key an _epoch_key().';
 
 CREATE FUNCTION pgbroker.broker_wake(name text DEFAULT 'default')
 RETURNS void
@@ -2600,7 +2638,7 @@ DECLARE
     v_key integer;
 BEGIN
     v_epoch := pgbroker._holder_epoch(v_name);
-    SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
+    v_key := pgbroker._epoch_key(v_epoch);
     IF NOT pgbroker._awake_held(v_key) THEN
         PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
     END IF;
@@ -2620,27 +2658,33 @@ DECLARE
     v_name text := pgbroker._check_name(broker_sleep.name);
     v_epoch bigint := pgbroker._holder_epoch(v_name);
     v_wait_ms text := pgbroker._wait_ms(broker_sleep.wait);   -- checked before anything changes
+    v_deadline timestamptz := CASE WHEN broker_sleep.wait IS NULL THEN 'infinity'
+                                   ELSE clock_timestamp() + (v_wait_ms || ' ms')::interval END;
     v_floor bigint;
     v_key integer;
-    v_timeout text := current_setting('lock_timeout');
+    v_awake integer := pgbroker._epoch_key(v_epoch);
 BEGIN
     SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
-    IF pgbroker._awake_held(v_key) THEN
-        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_key);
+    -- Wait, still awake, until no writer holds the drain lock: by tries, so
+    -- that writers never find a request of ours queued (they would take it
+    -- for a broker going to sleep, and NOTIFY), and at most WAIT (a long
+    -- writer transaction must not keep us from draining).
+    WHILE NOT pg_try_advisory_xact_lock(pgbroker._lock_class_drain(), v_key) LOOP
+        IF clock_timestamp() >= v_deadline THEN
+            IF NOT pgbroker._awake_held(v_awake) THEN
+                PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
+            END IF;
+            RETURN 'busy';
+        END IF;
+        PERFORM pg_sleep(0.001);
+    END LOOP;
+    -- The drain lock is ours until this returns: writers from now on NOTIFY.
+    IF pgbroker._awake_held(v_awake) THEN
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_awake);
     END IF;
-    -- Wait for writers that may have seen us awake (bounded: a long writer
-    -- transaction must not stall every other writer queued behind us).
-    BEGIN
-        PERFORM set_config('lock_timeout', v_wait_ms, true);
-        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_drain(), v_key);
-        PERFORM set_config('lock_timeout', v_timeout, true);
-    EXCEPTION WHEN lock_not_available THEN
-        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
-        RETURN 'busy';
-    END;
     v_floor := pgbroker._outbox_floor(v_name, v_epoch, false);
     IF EXISTS (SELECT FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch = v_epoch AND o.id > v_floor) THEN
-        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_key);
+        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
         RETURN 'pending';
     END IF;
     RETURN 'asleep';
@@ -2650,6 +2694,33 @@ COMMENT ON FUNCTION pgbroker.broker_sleep(text, interval) IS
 $$Holder only: declare the broker of lease NAME asleep, so that the next writer NOTIFYs it. Call it in autocommit mode.
 Returns 'asleep' (outbox empty: LISTEN on wakeup_channel(NAME) and wait), 'pending' (rows arrived: still awake, fetch again)
 or 'busy' (a writer transaction still open after WAIT: still awake; poll again soon).$$;
+
+-- A broker that ends its epoch awake (a release, or a new claim of its own
+-- session) stops being awake for that epoch when this commits: its lock
+-- would otherwise tell writers the epoch is alive (600_triggers.sql).
+CREATE FUNCTION pgbroker._awake_end()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF (NEW.state <> 'held' OR NEW.epoch <> OLD.epoch)
+       AND OLD.holder_pid = pg_backend_pid() AND pgbroker._awake_held(pgbroker._epoch_key(OLD.epoch)) THEN
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), pgbroker._epoch_key(OLD.epoch));
+    END IF;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._awake_end() IS
+    'Internal deferred trigger: at commit, a session whose epoch ended (released, or replaced by its own new claim) drops its awake lock of that epoch.';
+
+CREATE CONSTRAINT TRIGGER _500_awake_end
+    AFTER UPDATE OF epoch, state ON pgbroker.lease
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION pgbroker._awake_end();
+COMMENT ON TRIGGER _500_awake_end ON pgbroker.lease IS
+    'Drops the awake lock of an epoch its own session ended, when the transaction commits.';
 
 -- ---------------------------------------------------------------------------
 -- Delivery.
@@ -2681,6 +2752,16 @@ DECLARE
     v_first bigint;
     v_dirty boolean := true;  -- the setting needs writing (unset, or another epoch's)
 BEGIN
+    -- Most calls: this epoch's state, nothing to move (no X taken, or X not
+    -- yet below the oldest running transaction), no new (S, X) due.
+    IF v_state[1] = p_epoch::text AND cardinality(v_state) = 5
+       AND (NOT p_advance OR current_setting('transaction_isolation') <> 'read committed'
+            OR CASE WHEN v_state[4] <> '' THEN v_state[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
+                    ELSE pg_current_xact_id_if_assigned() IS NOT NULL
+                         OR to_timestamp(nullif(v_state[5], '')::double precision)
+                            >= clock_timestamp() - interval '100 ms' END) THEN
+        RETURN v_state[2]::bigint;
+    END IF;
     IF v_state[1] = p_epoch::text AND cardinality(v_state) = 5 THEN
         v_dirty := false;
         v_floor := v_state[2]::bigint;
@@ -2746,12 +2827,15 @@ COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
 
 -- The broker calls it in a loop, so its cost per call and per row is the
 -- broker's cost: planned once per session (re-planning cost more than the
--- fetch itself: a one-row fetch 224 µs re-planned, 85 µs with the generic
--- plan), the holder checked by one lookup (the helpers only name the error),
--- and rows returned as the triggers wrote them: client ids, nothing looked
--- up per row.  The rare rows written while a subscribe was under way
--- (clients NULL) are resolved first, and those left with nobody to tell are
--- deleted rather than returned.
+-- fetch itself: a one-row fetch 224 us re-planned, 85 us with the generic
+-- plan), and as few statements as a call allows, each paying a snapshot:
+-- one finds the holder's epoch and whether any row awaits its clients, one
+-- acknowledges the previous batch and returns the next (the rows it
+-- deletes are left out of those it returns).  Rows are returned as the
+-- triggers wrote them: client ids, nothing looked up per row but the
+-- table's name.  The rare rows written while a subscribe was under way
+-- (clients NULL) are resolved first, and those left with nobody to tell
+-- are deleted rather than returned.
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
@@ -2760,34 +2844,48 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    v_name text := outbox_fetch.name;
     v_epoch bigint;
+    v_unresolved boolean;
     v_floor bigint;
 BEGIN
-    PERFORM pgbroker._name_check('lease', v_name, true);
-    SELECT l.epoch INTO v_epoch FROM pgbroker.lease l
-     WHERE l.name = v_name AND l.state = 'held' AND l.expires_at IS NULL
+    PERFORM pgbroker._name_check('lease', outbox_fetch.name, true);
+    -- The holder's epoch, whether rows await their clients, and the floor
+    -- when it has nothing to move (as _outbox_floor's first test: NULL
+    -- otherwise, and _outbox_floor runs).
+    SELECT l.epoch, EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = l.name AND u.epoch = l.epoch AND u.clients IS NULL),
+           CASE WHEN f.s[1] = l.epoch::text AND cardinality(f.s) = 5
+                     AND current_setting('transaction_isolation') = 'read committed'
+                     AND CASE WHEN f.s[4] <> '' THEN f.s[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
+                              ELSE to_timestamp(nullif(f.s[5], '')::double precision) >= clock_timestamp() - interval '100 ms' END
+                THEN f.s[2]::bigint END
+      INTO v_epoch, v_unresolved, v_floor
+      FROM pgbroker.lease l,
+           (SELECT string_to_array(current_setting('pgbroker.outbox_floor', true), ':') AS s) f
+     WHERE l.name = outbox_fetch.name AND l.state = 'held' AND l.expires_at IS NULL
        AND l.holder_pid = pg_backend_pid() AND l.holder_backend_start = pgbroker._my_backend_start();
-    IF NOT FOUND THEN
-        v_epoch := pgbroker._holder_epoch(v_name);  -- raises the error that applies (bad name, PB001)
+    IF v_epoch IS NULL THEN
+        v_epoch := pgbroker._holder_epoch(outbox_fetch.name);  -- raises the error that applies (bad name, PB001)
     END IF;
     IF outbox_fetch.max_rows IS NULL OR outbox_fetch.max_rows < 1 THEN
         RAISE EXCEPTION 'max_rows must be at least 1' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- First, before this transaction writes anything (see _outbox_floor).
-    v_floor := pgbroker._outbox_floor(v_name, v_epoch, true);
-    IF outbox_fetch.ack IS NOT NULL THEN
-        -- Acknowledge the previous batch in the same round trip.
-        DELETE FROM pgbroker.outbox b WHERE b.name = v_name AND b.epoch = v_epoch AND b.id = ANY (outbox_fetch.ack);
+    IF v_floor IS NULL THEN
+        -- First, before this transaction writes anything (see _outbox_floor).
+        v_floor := pgbroker._outbox_floor(outbox_fetch.name, v_epoch, true);
     END IF;
-    IF EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = v_name AND u.epoch = v_epoch AND u.clients IS NULL) THEN
-        PERFORM pgbroker._outbox_resolve(v_name, v_epoch);
+    IF v_unresolved THEN
+        PERFORM pgbroker._outbox_resolve(outbox_fetch.name, v_epoch);
     END IF;
     RETURN QUERY
+    WITH acked AS (  -- the previous batch, acknowledged in the same round trip
+        DELETE FROM pgbroker.outbox b
+         WHERE b.name = outbox_fetch.name AND b.epoch = v_epoch AND b.id = ANY (outbox_fetch.ack)
+    )
     SELECT o.id, (SELECT w.relid::regclass::text FROM pgbroker.watched w WHERE w.watch_id = o.watch_id),
            o.op::text, o.row_key, o.changed, o.clients, o.at
       FROM pgbroker.outbox o
-     WHERE o.name = v_name AND o.epoch = v_epoch AND o.id > v_floor
+     WHERE o.name = outbox_fetch.name AND o.epoch = v_epoch AND o.id > v_floor
+       AND (outbox_fetch.ack IS NULL OR o.id <> ALL (outbox_fetch.ack))
      ORDER BY o.id
      LIMIT outbox_fetch.max_rows;
 END
@@ -3054,35 +3152,52 @@ $template$;
 COMMENT ON FUNCTION pgbroker._watch_merged_template() IS
     'Internal: template of the INSERT ... SELECT of a table with whole-table subscribers (merged per change and broker).';
 
+-- A subscribe() is under way, or the snapshot may predate one: every live
+-- broker gets the changes, their clients left NULL, resolved when fetched.
+CREATE FUNCTION pgbroker._watch_unresolved_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+        -- A subscribe() is under way, or the snapshot may predate one: every
+        -- live broker gets the changes, their clients resolved when fetched.
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT l.name, l.epoch, {{watch_id}}, l.op, l.row_key, l.changed, NULL
+          FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed
+                  FROM ({{changes}} OFFSET 0) k
+                 CROSS JOIN pgbroker.lease b
+                 WHERE b.state = 'held' AND b.expires_at IS NULL
+                OFFSET 0) l
+         WHERE {{alive_and_woken:l}}$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_unresolved_template() IS
+    'Internal: template of the INSERT ... SELECT that writes changes for every live broker with their clients left to be resolved at fetch.';
+
 -- Whether the holder of the broker of row {{r}} (a lease, or the interest of
 -- one of its epochs) is alive, and if so its wake-up.  Evaluated before the
 -- outbox row is written, in this order:
---   - no session holds that epoch (its alive lock is free, and this session
---     is not its holder): the broker is gone, or that epoch was replaced by
---     a new claim and its rows wait for broker_sweep(): write nothing;
---   - the broker is going to sleep (broker_sleep() holds or awaits the drain
---     lock): NOTIFY it;
---   - it sleeps (the awake lock is free): NOTIFY it, holding the drain lock
---     shared to commit, so broker_sleep() waits for this transaction or it
---     hears the NOTIFY;
---   - it is awake and draining: it will see the row.
--- A lock test and not a row a snapshot could hide: right at every isolation
+--   - the broker is going to sleep (broker_sleep() holds the drain lock):
+--     NOTIFY it, if the epoch's holder is alive;
+--   - it is not awake (the awake lock of that epoch is free): it sleeps, or
+--     the epoch has no holder (the broker is gone, or that epoch was
+--     replaced by a new claim and its rows wait for broker_sweep()); if its
+--     holder is alive, NOTIFY it, holding the drain lock shared to commit,
+--     so broker_sleep() waits for this transaction or it hears the NOTIFY;
+--     otherwise write nothing;
+--   - it is awake and draining: it will see the row, and its holder is
+--     alive (only the epoch's holder takes its awake lock, and drops it when
+--     the epoch ends): no test of its own (500_outbox.sql).
+-- Lock tests and not rows a snapshot could hide: right at every isolation
 -- level.  A NOTIFY repeated in one transaction is sent once.
 CREATE FUNCTION pgbroker._watch_alive_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key({{r}}.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = {{r}}.lock_key AND h.epoch = {{r}}.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), {{r}}.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), {{r}}.lock_key)
+                THEN pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                     AND pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
             ELSE true
         END$t$
@@ -3122,16 +3237,7 @@ BEGIN
             PERFORM set_config('jit', v_jit, true);
         END IF;
     ELSE
-        -- A subscribe() is under way, or the snapshot may predate one: every
-        -- live broker gets the changes, their clients resolved when fetched.
-        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-        SELECT l.name, l.epoch, {{watch_id}}, l.op, l.row_key, l.changed, NULL
-          FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed
-                  FROM ({{changes}} OFFSET 0) k
-                 CROSS JOIN pgbroker.lease b
-                 WHERE b.state = 'held' AND b.expires_at IS NULL
-                OFFSET 0) l
-         WHERE {{alive_and_woken:l}};
+{{unresolved}};
     END IF;
     RETURN NULL;
 END
@@ -3139,6 +3245,65 @@ $t$
 $template$;
 COMMENT ON FUNCTION pgbroker._watch_trigger_template() IS
     'Internal: template of the INSERT, UPDATE and DELETE trigger functions of a watched table (see sql/600_triggers.sql).';
+
+-- Row mode: the trigger functions of INSERT, UPDATE and DELETE, run for
+-- each changed row with OLD and NEW at hand (no transition tables, no join).
+-- {{row_body}}: the fan-out of the row's change (below); for an UPDATE, of
+-- the change of its columns, or of a D and an I when its key changed.
+CREATE FUNCTION pgbroker._watch_row_trigger_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+BEGIN
+{{row_body}}
+    RETURN NULL;
+END
+$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_row_trigger_template() IS
+    'Internal: template of the row-level INSERT, UPDATE and DELETE trigger functions of a table watched in row mode.';
+
+CREATE FUNCTION pgbroker._watch_row_update_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$    IF {{same_key}} THEN
+{{fanout_update}}
+    ELSE
+        -- A key change: a D of the old key and an I of the new one.
+{{fanout_rekey}}
+    END IF;$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_row_update_template() IS
+    'Internal: template of the body of the row-level UPDATE trigger function (an UPDATE of the key is a D and an I).';
+
+-- The fan-out of one row's change(s), {{changes}} (a query over NEW and OLD
+-- of one or two rows; an UPDATE that changes nothing has none): the tests
+-- of statement mode, in as few steps as a row allows, for it runs once per
+-- row.  The watch lock and isolation test, then whether the table has
+-- whole-table subscribers, then one INSERT: the subscribers of the row's key
+-- (pgbroker.interest: one index probe), one outbox row per live broker.
+CREATE FUNCTION pgbroker._watch_row_fanout_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb) THEN
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM ({{changes}}) k
+                          JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE {{alive_and_woken:z}};
+            ELSE
+{{merged}};
+            END IF;
+        ELSE
+{{unresolved}};
+        END IF;$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_row_fanout_template() IS
+    'Internal: template of the fan-out of one row''s change(s) in the row-level trigger functions.';
 
 -- The TRUNCATE trigger function: every client with any interest in the table
 -- hears of it, one row per broker (of its live epoch).
@@ -3244,6 +3409,50 @@ COMMENT ON FUNCTION pgbroker._watch_lock_table(regclass, interval) IS
 -- ---------------------------------------------------------------------------
 -- Watching a table.
 
+-- The SQL expressions over the rows of a watched table, its NEW rows named
+-- P_NEW and its OLD rows P_OLD (range variables n and o of the transition
+-- tables, whole rows (k.n) and (k.o), or PL/pgSQL's NEW and OLD): the key
+-- (jsonb, as _encode_key makes it) of each, whether they have the same key,
+-- whether one is missing (a FULL JOIN found none), and the names of the
+-- columns whose value changed.
+CREATE FUNCTION pgbroker._watch_exprs(p_watch pgbroker.watched, p_new text, p_old text)
+RETURNS jsonb
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_exprs jsonb;
+    v_changed text;
+BEGIN
+    SELECT jsonb_build_object(
+               'new_key', CASE WHEN count(*) = 1 THEN format('to_jsonb(%s.%I)', p_new, min(c))
+                               ELSE format('jsonb_build_array(%s)', string_agg(format('%s.%I', p_new, c), ', ' ORDER BY i)) END,
+               'old_key', CASE WHEN count(*) = 1 THEN format('to_jsonb(%s.%I)', p_old, min(c))
+                               ELSE format('jsonb_build_array(%s)', string_agg(format('%s.%I', p_old, c), ', ' ORDER BY i)) END,
+               'same_key', string_agg(format('%1$s.%3$I = %2$s.%3$I', p_new, p_old, c), ' AND ' ORDER BY i),
+               'new_null', format('%s.%I IS NULL', p_new, min(c) FILTER (WHERE i = 1)),
+               'old_null', format('%s.%I IS NULL', p_old, min(c) FILTER (WHERE i = 1)))
+      INTO v_exprs
+      FROM unnest(p_watch.key_columns) WITH ORDINALITY AS u(c, i);
+    -- IS DISTINCT FROM where the type has an equality operator of its own,
+    -- the text forms otherwise (json, xml, point...).
+    SELECT format('array_remove(ARRAY[%s]::text[], NULL)',
+                  string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
+                                  THEN format('CASE WHEN %1$s.%3$I IS DISTINCT FROM %2$s.%3$I THEN %3$L END',
+                                              p_new, p_old, a.attname)
+                                  ELSE format('CASE WHEN %1$s.%3$I::text IS DISTINCT FROM %2$s.%3$I::text THEN %3$L END',
+                                              p_new, p_old, a.attname)
+                             END, ', ' ORDER BY a.attnum))
+      INTO v_changed
+      FROM pg_catalog.pg_attribute a
+      CROSS JOIN LATERAL format_type(a.atttypid, NULL) AS t
+     WHERE a.attrelid = p_watch.relid AND a.attnum > 0 AND NOT a.attisdropped;
+    RETURN v_exprs || jsonb_build_object('changed', v_changed);
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_exprs(pgbroker.watched, text, text) IS
+    'Internal: the SQL expressions (keys, same key, missing row, changed columns) over the NEW and OLD rows of a watched table, named as given.';
+
 -- The SQL expressions of a watched table that fill the templates' slots.
 CREATE FUNCTION pgbroker._watch_slots(p_watch pgbroker.watched)
 RETURNS jsonb
@@ -3251,46 +3460,16 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_key_n text;    -- the row's key (jsonb, as _encode_key makes it) over NEW rows n
-    v_key_o text;    -- over OLD rows o
-    v_same_key text; -- n and o have the same key
-    v_n_null text;   -- no NEW row (the UPDATE's FULL JOIN found none: a key change)
-    v_o_null text;
-    v_changed text;  -- the names of the columns whose value changed
-    v_changed_k text; -- the same over the whole rows k.n and k.o (bulk statements)
+    r jsonb := pgbroker._watch_exprs(p_watch, 'n', 'o');          -- over the transition tables' rows
+    v_changed_k text := pgbroker._watch_exprs(p_watch, '(k.n)', '(k.o)') ->> 'changed';  -- whole rows (bulk)
+    r_row jsonb := pgbroker._watch_exprs(p_watch, 'NEW', 'OLD');   -- one row (row mode)
 BEGIN
-    SELECT CASE WHEN count(*) = 1 THEN format('to_jsonb(n.%I)', min(c))
-                ELSE format('jsonb_build_array(%s)', string_agg(format('n.%I', c), ', ' ORDER BY i)) END,
-           CASE WHEN count(*) = 1 THEN format('to_jsonb(o.%I)', min(c))
-                ELSE format('jsonb_build_array(%s)', string_agg(format('o.%I', c), ', ' ORDER BY i)) END,
-           string_agg(format('n.%I = o.%I', c, c), ' AND ' ORDER BY i),
-           format('n.%I IS NULL', min(c) FILTER (WHERE i = 1)),
-           format('o.%I IS NULL', min(c) FILTER (WHERE i = 1))
-      INTO v_key_n, v_key_o, v_same_key, v_n_null, v_o_null
-      FROM unnest(p_watch.key_columns) WITH ORDINALITY AS u(c, i);
-    -- IS DISTINCT FROM where the type has an equality operator of its own,
-    -- the text forms otherwise (json, xml, point...).
-    SELECT format('array_remove(ARRAY[%s]::text[], NULL)',
-                  string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
-                                  THEN format('CASE WHEN n.%I IS DISTINCT FROM o.%I THEN %L END', a.attname, a.attname, a.attname)
-                                  ELSE format('CASE WHEN n.%I::text IS DISTINCT FROM o.%I::text THEN %L END', a.attname, a.attname, a.attname)
-                             END, ', ' ORDER BY a.attnum)),
-           format('array_remove(ARRAY[%s]::text[], NULL)',
-                  string_agg(CASE WHEN to_regoperator(format('=(%s,%s)', t, t)) IS NOT NULL
-                                  THEN format('CASE WHEN (k.n).%I IS DISTINCT FROM (k.o).%I THEN %L END', a.attname, a.attname, a.attname)
-                                  ELSE format('CASE WHEN (k.n).%I::text IS DISTINCT FROM (k.o).%I::text THEN %L END', a.attname, a.attname, a.attname)
-                             END, ', ' ORDER BY a.attnum))
-      INTO v_changed, v_changed_k
-      FROM pg_catalog.pg_attribute a
-      CROSS JOIN LATERAL format_type(a.atttypid, NULL) AS t
-     WHERE a.attrelid = p_watch.relid AND a.attnum > 0 AND NOT a.attisdropped;
-
     RETURN jsonb_build_object(
         'watch_id', p_watch.watch_id,
         'ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed FROM pgbroker_new n$q$,
-                              v_key_n),
+                              r ->> 'new_key'),
         'del_changes', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed FROM pgbroker_old o$q$,
-                              v_key_o),
+                              r ->> 'old_key'),
         -- OLD and NEW rows paired by key: a key change is a D and an I, an
         -- UPDATE that changes no column is no change.
         'upd_changes', format($q$SELECT c.op, c.row_key, c.changed FROM (
@@ -3299,18 +3478,29 @@ BEGIN
                      CASE WHEN %1$s OR %2$s THEN NULL ELSE %5$s END AS changed
                 FROM pgbroker_new n FULL JOIN pgbroker_old o ON %6$s) c
              WHERE c.op <> 'U' OR cardinality(c.changed) > 0$q$,
-                              v_o_null, v_n_null, v_key_o, v_key_n, v_changed, v_same_key),
+                              r ->> 'old_null', r ->> 'new_null', r ->> 'old_key', r ->> 'new_key', r ->> 'changed',
+                              r ->> 'same_key'),
         -- Bulk statements compare the columns of subscribed rows only: the
         -- changes with their whole OLD and NEW rows, and the comparison.
-        'ins_keyed', format($q$SELECT 'I'::"char" AS op, %s AS row_key FROM pgbroker_new n$q$, v_key_n),
-        'del_keyed', format($q$SELECT 'D'::"char" AS op, %s AS row_key FROM pgbroker_old o$q$, v_key_o),
+        'ins_keyed', format($q$SELECT 'I'::"char" AS op, %s AS row_key FROM pgbroker_new n$q$, r ->> 'new_key'),
+        'del_keyed', format($q$SELECT 'D'::"char" AS op, %s AS row_key FROM pgbroker_old o$q$, r ->> 'old_key'),
         'upd_keyed', format($q$SELECT (CASE WHEN %1$s THEN 'I' WHEN %2$s THEN 'D' ELSE 'U' END)::"char" AS op,
                      CASE WHEN %2$s THEN %3$s ELSE %4$s END AS row_key, n, o
                 FROM pgbroker_new n FULL JOIN pgbroker_old o ON %5$s$q$,
-                              v_o_null, v_n_null, v_key_o, v_key_n, v_same_key),
+                              r ->> 'old_null', r ->> 'new_null', r ->> 'old_key', r ->> 'new_key', r ->> 'same_key'),
         'ins_changed_late', 'NULL::text[]',
         'del_changed_late', 'NULL::text[]',
-        'upd_changed_late', format($q$CASE WHEN k.op = 'U' THEN %s END$q$, v_changed_k));
+        'upd_changed_late', format($q$CASE WHEN k.op = 'U' THEN %s END$q$, v_changed_k),
+        -- Row mode: the change of one row, over PL/pgSQL's NEW and OLD.
+        'row_ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'new_key'),
+        'row_del_changes', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'old_key'),
+        'row_upd_changes', format($q$SELECT 'U'::"char" AS op, %s AS row_key, c.changed FROM (SELECT %s AS changed) c
+                                   WHERE cardinality(c.changed) > 0$q$, r_row ->> 'new_key', r_row ->> 'changed'),
+        'row_rekey_changes', format($q$SELECT * FROM (VALUES ('D'::"char", %s, NULL::text[]), ('I', %s, NULL))
+                                     AS c (op, row_key, changed)$q$, r_row ->> 'old_key', r_row ->> 'new_key'),
+        'same_key', r_row ->> 'same_key');
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_slots(pgbroker.watched) IS
@@ -3325,15 +3515,25 @@ AS $$
 DECLARE
     v_slots jsonb := pgbroker._watch_slots(p_watch);
     v_body text;
+    v_fanout text;
     v_row text;
 BEGIN
     IF p_kind = 'trunc' THEN
-        v_body := pgbroker._watch_truncate_template();
+        v_body := pgbroker._watch_truncate_template();  -- a statement trigger in both modes
+    ELSIF p_watch.mode = 'row' THEN
+        -- The statements first (their own slots are filled below) ...
+        v_fanout := replace(replace(pgbroker._watch_row_fanout_template(), '{{merged}}', pgbroker._watch_merged_template()),
+                            '{{unresolved}}', pgbroker._watch_unresolved_template());
+        v_body := replace(pgbroker._watch_row_trigger_template(), '{{row_body}}', CASE p_kind
+            WHEN 'upd' THEN replace(replace(pgbroker._watch_row_update_template(),
+                                            '{{fanout_update}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_upd_changes')),
+                                    '{{fanout_rekey}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_rekey_changes'))
+            ELSE replace(v_fanout, '{{changes}}', v_slots ->> ('row_' || p_kind || '_changes')) END);
     ELSE
         v_body := pgbroker._watch_trigger_template();
-        -- The statements first (their own slots are filled below) ...
         v_body := replace(v_body, '{{fanout}}', pgbroker._watch_fanout_template());
         v_body := replace(v_body, '{{merged}}', pgbroker._watch_merged_template());
+        v_body := replace(v_body, '{{unresolved}}', pgbroker._watch_unresolved_template());
         v_body := replace(v_body, '{{bulk_literal}}', quote_literal(
                               pgbroker._render(replace(pgbroker._watch_bulk_template(), '{{alive_and_woken:l}}',
                                                        pgbroker._render(pgbroker._watch_alive_template(), '{"r": "l"}')),
@@ -3349,7 +3549,8 @@ BEGIN
     END LOOP;
     RETURN pgbroker._render(v_body, v_slots - ARRAY['ins_changes', 'del_changes', 'upd_changes', 'ins_keyed', 'del_keyed',
                                                     'upd_keyed', 'ins_changed_late', 'del_changed_late',
-                                                    'upd_changed_late']);
+                                                    'upd_changed_late', 'row_ins_changes', 'row_del_changes',
+                                                    'row_upd_changes', 'row_rekey_changes']);
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_function_body(pgbroker.watched, text) IS
@@ -3388,8 +3589,13 @@ BEGIN
                        format('Internal: %s trigger of watched table %s (generated by pgbroker.watch).', v_event, v_table));
         -- Generated functions are internal: nobody calls them but the triggers.
         EXECUTE format('REVOKE ALL ON FUNCTION %s() FROM PUBLIC', v_fn);
-        EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s %s FOR EACH STATEMENT EXECUTE FUNCTION %s()',
-                       '_pgbroker_watch_' || v_kind, v_event, v_table, v_transitions, v_fn);
+        IF p_watch.mode = 'row' AND v_kind <> 'trunc' THEN
+            EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s FOR EACH ROW EXECUTE FUNCTION %s()',
+                           '_pgbroker_watch_' || v_kind, v_event, v_table, v_fn);
+        ELSE
+            EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s %s FOR EACH STATEMENT EXECUTE FUNCTION %s()',
+                           '_pgbroker_watch_' || v_kind, v_event, v_table, v_transitions, v_fn);
+        END IF;
         EXECUTE format('COMMENT ON TRIGGER %I ON %s IS %L', '_pgbroker_watch_' || v_kind, v_table,
                        format('pgbroker: tells subscribed clients of %s.',
                               CASE v_kind WHEN 'ins' THEN 'inserted rows' WHEN 'upd' THEN 'updated rows'
@@ -3398,7 +3604,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_install(pgbroker.watched, interval) IS
-    'Internal: (re)generate the trigger functions of a watched table and (re)create its triggers.';
+    'Internal: (re)generate the trigger functions of a watched table and (re)create its triggers, of its mode, in the caller''s transaction under the table''s lock.';
 
 CREATE FUNCTION pgbroker._watch_drop_triggers(p_watch pgbroker.watched)
 RETURNS void
@@ -3422,7 +3628,7 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_drop_triggers(pgbroker.watched) IS 'Internal: drop the pgbroker triggers of a watched table.';
 
-CREATE FUNCTION pgbroker.watch("table" regclass, wait interval DEFAULT '5 s')
+CREATE FUNCTION pgbroker.watch("table" regclass, wait interval DEFAULT '5 s', mode text DEFAULT 'statement')
 RETURNS integer
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -3436,6 +3642,11 @@ DECLARE
 BEGIN
     IF watch."table" IS NULL THEN
         RAISE EXCEPTION 'table must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF watch.mode IS NULL OR watch.mode NOT IN ('statement', 'row') THEN
+        RAISE EXCEPTION 'unknown mode %', coalesce(quote_literal(watch.mode), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'statement (statement-level triggers, the default) or row (row-level triggers).';
     END IF;
     SELECT * INTO v_rel FROM pg_catalog.pg_class WHERE oid = watch."table";
     IF v_rel.relkind <> 'r' THEN
@@ -3455,10 +3666,10 @@ BEGIN
         RAISE EXCEPTION 'table % has no primary key', watch."table"
             USING ERRCODE = 'PB020', HINT = 'pgbroker identifies changed rows by their primary key: add one.';
     END IF;
-    INSERT INTO pgbroker.watched AS w (relid, table_name, key_columns, key_types)
-    VALUES (watch."table", watch."table"::text, v_cols, v_types)
+    INSERT INTO pgbroker.watched AS w (relid, table_name, key_columns, key_types, mode)
+    VALUES (watch."table", watch."table"::text, v_cols, v_types, watch.mode)
     ON CONFLICT ON CONSTRAINT watched_relid_unique
-    DO UPDATE SET table_name = excluded.table_name, watched_at = clock_timestamp()
+    DO UPDATE SET table_name = excluded.table_name, mode = excluded.mode, watched_at = clock_timestamp()
     RETURNING * INTO v_watch;
     IF v_watch.key_columns IS DISTINCT FROM v_cols OR v_watch.key_types IS DISTINCT FROM v_types THEN
         RAISE EXCEPTION 'the primary key of % changed since it was watched', watch."table"
@@ -3468,12 +3679,15 @@ BEGIN
     RETURN v_watch.watch_id;
 END
 $$;
-COMMENT ON FUNCTION pgbroker.watch(regclass, interval) IS
+COMMENT ON FUNCTION pgbroker.watch(regclass, interval, text) IS
 $$Admin: watch TABLE (an ordinary table with a primary key; 42809 for a view or other relation, PB020 without a key).
-Installs statement-level triggers (INSERT, UPDATE, DELETE with transition tables; TRUNCATE) that write the subscribed
-clients of each changed row to the outbox and wake their brokers. Idempotent: call it again after ALTER TABLE adds or
-removes columns. Returns the watch id. Writers of the table never queue behind it: it asks for the table's lock in 50 ms
-tries with pauses between them, up to WAIT (NULL: no limit), then fails with PB022.$$;
+Installs triggers that write the subscribed clients of each changed row to the outbox and wake their brokers: with MODE
+'statement' (the default) statement-level triggers with transition tables, best for tables changed in bulk; with MODE
+'row' row-level ones, cheaper for single-row writes (TRUNCATE is a statement trigger in both); 22023 for another mode.
+Both give the same notifications. Idempotent: call it again, with the same mode, after ALTER TABLE adds or removes
+columns; with the other mode it switches the table's triggers in one transaction, with no gap. Returns the watch id.
+Writers of the table never queue behind it: it asks for the table's lock in 50 ms tries with pauses between them, up to
+WAIT (NULL: no limit), then fails with PB022.$$;
 
 CREATE FUNCTION pgbroker.unwatch("table" regclass, wait interval DEFAULT '5 s')
 RETURNS boolean
@@ -4628,15 +4842,16 @@ COMMENT ON COLUMN pgbroker.broker_state.updated_at IS 'When it was last set.';
 -- Views.
 
 CREATE VIEW pgbroker.watched_tables AS
-SELECT w.relid::regclass AS "table", w.key_columns, w.watched_at,
+SELECT w.relid::regclass AS "table", w.key_columns, w.mode, w.watched_at,
        (SELECT count(*) FROM pgbroker.subscription s
           JOIN pgbroker.client c ON c.client_key = s.client_key
           JOIN pgbroker.lease l ON l.name = c.name AND l.epoch = c.epoch
          WHERE s.watch_id = w.watch_id) AS subscriptions
   FROM pgbroker.watched w;
-COMMENT ON VIEW pgbroker.watched_tables IS 'Tables watched by pgbroker, with their key columns and number of subscriptions.';
+COMMENT ON VIEW pgbroker.watched_tables IS 'Tables watched by pgbroker, with their key columns, trigger mode and number of subscriptions.';
 COMMENT ON COLUMN pgbroker.watched_tables."table" IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.watched_tables.key_columns IS 'Its primary-key columns, in the order used by key encoding.';
+COMMENT ON COLUMN pgbroker.watched_tables.mode IS 'How its triggers fire: statement (once per statement, with transition tables) or row (once per changed row); see watch().';
 COMMENT ON COLUMN pgbroker.watched_tables.watched_at IS 'When watch() last installed its triggers.';
 COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscriptions to it (of the brokers'' current epochs).';
 
@@ -5222,7 +5437,7 @@ TO pgbroker_user;
 -- Admins: watching tables and housekeeping (takeover => true is checked by
 -- broker_claim itself: the login role must be a member of pgbroker_admin).
 GRANT EXECUTE ON FUNCTION
-    pgbroker.watch(regclass, interval),
+    pgbroker.watch(regclass, interval, text),
     pgbroker.unwatch(regclass, interval),
     pgbroker.lease_history_prune(interval),
     pgbroker.name_grant(text, text, regrole, text),

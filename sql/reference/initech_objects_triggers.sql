@@ -38,17 +38,12 @@ BEGIN
                         WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
                 OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = z.lock_key AND h.epoch = z.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), z.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), z.lock_key)
+                THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                     AND pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             ELSE true
         END;
@@ -81,17 +76,12 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), t.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), t.lock_key)
+                THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                     AND pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             ELSE true
         END;
@@ -103,17 +93,12 @@ BEGIN
                AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
                                       WHERE j.watch_id = 1 AND j.name = l.name AND j.epoch = l.epoch)
                         THEN CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = ''held''
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
             ELSE true
         END END)
@@ -129,6 +114,7 @@ BEGIN
             PERFORM set_config('jit', v_jit, true);
         END IF;
     ELSE
+
         -- A subscribe() is under way, or the snapshot may predate one: every
         -- live broker gets the changes, their clients resolved when fetched.
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -139,17 +125,12 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             ELSE true
         END;
@@ -197,17 +178,12 @@ BEGIN
                         WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
                 OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = z.lock_key AND h.epoch = z.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), z.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), z.lock_key)
+                THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                     AND pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             ELSE true
         END;
@@ -245,17 +221,12 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), t.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), t.lock_key)
+                THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                     AND pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             ELSE true
         END;
@@ -267,17 +238,12 @@ BEGIN
                AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
                                       WHERE j.watch_id = 1 AND j.name = l.name AND j.epoch = l.epoch)
                         THEN CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = ''held''
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
             ELSE true
         END END)
@@ -295,6 +261,7 @@ BEGIN
             PERFORM set_config('jit', v_jit, true);
         END IF;
     ELSE
+
         -- A subscribe() is under way, or the snapshot may predate one: every
         -- live broker gets the changes, their clients resolved when fetched.
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -310,17 +277,12 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             ELSE true
         END;
@@ -363,17 +325,12 @@ BEGIN
                         WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
                 OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(z.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = z.lock_key AND h.epoch = z.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), z.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), z.lock_key)
+                THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
+                     AND pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             ELSE true
         END;
@@ -406,17 +363,12 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), t.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), t.lock_key)
+                THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                     AND pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             ELSE true
         END;
@@ -428,17 +380,12 @@ BEGIN
                AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
                                       WHERE j.watch_id = 1 AND j.name = l.name AND j.epoch = l.epoch)
                         THEN CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = ''held''
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
             ELSE true
         END END)
@@ -454,6 +401,7 @@ BEGIN
             PERFORM set_config('jit', v_jit, true);
         END IF;
     ELSE
+
         -- A subscribe() is under way, or the snapshot may predate one: every
         -- live broker gets the changes, their clients resolved when fetched.
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -464,17 +412,12 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             ELSE true
         END;
@@ -509,17 +452,12 @@ BEGIN
                  WHERE i.watch_id = 1
                  GROUP BY i.name, i.epoch) t
          WHERE CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(t.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = t.lock_key AND h.epoch = t.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), t.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), t.lock_key)
+                THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
+                     AND pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             ELSE true
         END;
@@ -530,17 +468,12 @@ BEGIN
           FROM pgbroker.lease l
          WHERE l.state = 'held' AND l.expires_at IS NULL
            AND CASE
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                THEN CASE WHEN pg_advisory_unlock_shared(pgbroker._lock_class_alive(), pgbroker._epoch_key(l.epoch))
-                          -- Free, or held by this very session (its own locks never conflict).
-                          THEN EXISTS (SELECT FROM pgbroker.lease h
-                                        WHERE h.lock_key = l.lock_key AND h.epoch = l.epoch AND h.state = 'held'
-                                          AND h.holder_pid = pg_backend_pid()
-                                          AND h.holder_backend_start = pgbroker._my_backend_start()) END
             WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
-                THEN num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
-            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), l.lock_key)
-                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), l.lock_key)
+                THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
+                     AND pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             ELSE true
         END;

@@ -1,6 +1,6 @@
 """Benchmark of change fan-out (watched tables, outbox, wake-ups) against unwatched floors (run on demand).
 
-    python tests/benchmarks/bench_fanout.py            # about 5 minutes
+    python tests/benchmarks/bench_fanout.py            # about 9 minutes
     python tests/benchmarks/bench_fanout.py --quick    # shorter runs, for a smoke test
     python tests/benchmarks/bench_fanout.py --explain  # also print the trigger queries' plans (auto_explain)
     python -m pytest tests/benchmarks/bench_fanout.py -s -p no:cacheprovider
@@ -11,26 +11,45 @@ its migrations, and measures, in the same run, against floors measured
 alternately with it:
 
 1. UPDATE throughput (pgbench, one row per transaction) on a watched table
-   (1,000 rows, 1,000 clients on one broker, 10,000 subscriptions: 10 per row)
-   against an identical unwatched table, at 1 and at 8 writers, with a real
-   broker draining concurrently.  Also the NOTIFYs the broker received during
-   the watched runs: wake-ups must not be one per writing transaction.
-   Target: at least 0.75x.
+   (1,000 rows, 1,000 clients on one broker, 10,000 subscriptions: 10 per row),
+   watched in statement mode and, a copy, in row mode, against an identical
+   unwatched table, at 1 and at 8 writers, with a real broker draining
+   concurrently; beside them, on copies of the table each with its own consumer,
+   the four designs users write instead (issue 22; see PEERS): a trigger that
+   writes the list of clients to a table and NOTIFYs, a pg_notify of JSON per
+   row, a transactional outbox, and the throwaway prototype of
+   ../shared/reference/fanout-prototype.md.  CPU per transaction counts the
+   server's processes and this one (the consumers' loops).  Targets: statement
+   mode at least 0.75x of unwatched, CPU at most 1.5x; row mode at least 0.9x of
+   the transactional outbox's throughput, CPU at most 1.15x of its.  Also the
+   NOTIFYs the broker received (wake-ups must not be one per writing
+   transaction), and at 8 writers what the writers' backends wait for (sampled).
 2. One 10,000-row UPDATE statement: with 1% of the rows subscribed, against the
    same statement on an unwatched table (target: at most 1.5x); with every row
    subscribed, the extra cost per outbox row against a plain INSERT ... SELECT of
    the same outbox-shaped rows into an UNLOGGED table of the outbox's shape
    (target: within 1.5x).  Medians of alternating repetitions.
-   Also one 100,000-row UPDATE with 1% of the rows subscribed, at the server's
-   default JIT settings (info: large statements once paid for JIT compilation).
+   The 10,000-row statements once more on tables watched in row mode (info: what
+   a bulk write costs there).  Also one 100,000-row UPDATE with 1% of the rows
+   subscribed, at the server's default JIT settings (info: large statements once
+   paid for JIT compilation).
 3. Commit-to-handler latency: a writer updates a subscribed row 50 times a
-   second; the time from its commit returning to the broker's outbox_fetch()
+   second in each mode; the time from its commit returning to the broker's outbox_fetch()
    returning the row (same process, time.perf_counter).  Floor: an UPDATE plus
    pg_notify() in one transaction, received by a plain LISTENing connection.
    Target: p99 under 10 ms.
 4. Scale: single-row UPDATE cost with 100 clients / 2,000 subscriptions against
    10,000 clients / 200,000 subscriptions (a fresh epoch; the updated rows have
    two subscribers in both cases).  Target: about 1x.
+5. Only with --only guarantees (about 6 minutes more): what each guarantee of
+   row mode costs a single-row UPDATE.  Copies of the row-mode table whose
+   UPDATE trigger has the guarantees taken out one at a time, cumulatively
+   (SECURITY DEFINER with its pinned search_path; the watch try-lock; the
+   isolation test; the whole-table probe; the drain lock and awake test), run
+   in the rounds of part 1 beside unwatched and the transactional outbox; then
+   the writer backend's own CPU per UPDATE in one session with
+   synchronous_commit off (no WAL flush, no consumers in the figure), in
+   alternating rounds.  Diagnostic only: the stripped triggers are not correct.
 
 The broker is a thread holding the lease on its own connection.  Its loop is
 plain psycopg calls to the SQL API: broker_wake(); outbox_fetch(max 1000, ack =>
@@ -43,6 +62,7 @@ Loopback only; bounded in count and time.  Prints a table.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -77,8 +97,10 @@ LINGER = 0.005  # seconds the broker keeps polling an empty outbox before it sle
 BATCH_DELAY = 0.002  # seconds the broker waits after a short batch (as Broker.notifications() does)
 POLL = 0.2  # seconds the sleeping broker waits for a NOTIFY before polling anyway
 
-TPS_TARGET = 0.75
-CPU_TARGET = 1.5  # CPU per watched single-row transaction against unwatched, 8 writers
+TPS_TARGET = 0.75  # statement mode against unwatched
+CPU_TARGET = 1.5  # CPU per watched single-row transaction against unwatched
+PEER_TPS_TARGET = 0.9  # row mode against the transactional outbox (issue 22)
+PEER_CPU_TARGET = 1.15
 FETCH_CPU_TARGET_US = 12  # broker backend CPU per delivered row
 BULK_TARGET = 1.5
 PER_ROW_TARGET = 1.5
@@ -86,13 +108,14 @@ LATENCY_P99_TARGET_MS = 10.0
 SCALE_TARGET = 1.2  # "about 1x": the large set-up may cost at most this much more
 
 
-PARTS = ("throughput", "bulk", "huge", "latency", "scale")
+PARTS = ("throughput", "bulk", "huge", "latency", "scale", "guarantees")
+OPT_IN = ("guarantees",)  # parts run only when named
 
 
 @dataclass
 class Settings:
-    tps_seconds: float = 5.0  # per pgbench run
-    tps_rounds: int = 3  # rounds of plain / watched / watched-not-drained, rotated, per writer count
+    tps_seconds: float = 4.0  # per pgbench run
+    tps_rounds: int = 5  # rounds of every design, in rotated order, per writer count (this machine is noisy)
     bulk_reps: int = 9  # alternating repetitions; the median of each (this machine is noisy)
     huge_reps: int = 5  # the same for the 100,000-row statement
     latency_rate: float = 50.0  # writes per second (each for pgbroker and the floor)
@@ -101,10 +124,10 @@ class Settings:
     scale_rounds: int = 4  # alternating watched / unwatched pgbench runs per phase (the tps form is noisy)
     scale_statements: int = 1000
     explain: bool = False
-    only: tuple[str, ...] = ()  # parts to run (all when empty): throughput, bulk, huge, latency, scale
+    only: tuple[str, ...] = ()  # parts to run (all but OPT_IN when empty): see PARTS
 
     def runs(self, part: str) -> bool:
-        return not self.only or part in self.only
+        return part in self.only or (not self.only and part not in OPT_IN)
 
     @classmethod
     def quick(cls) -> Settings:
@@ -204,9 +227,7 @@ class DrainingBroker(threading.Thread):
             self.sleep_results[status] += 1
             if status != "asleep":
                 continue  # still awake: 'pending' (rows arrived) or 'busy' (a writer still open)
-            received = 0
-            for _ in conn.notifies(timeout=self.poll, stop_after=1):
-                received += 1
+            received = wait_notified(conn, self.poll)
             self.notifies += received
             if not received:
                 self.timeouts += 1
@@ -260,6 +281,13 @@ class DrainingBroker(threading.Thread):
             raise RuntimeError("the broker thread is gone")
 
 
+def wait_notified(conn: psycopg.Connection, timeout: float) -> int:
+    """Wait up to TIMEOUT for a notification on CONN; returns how many were received, counting those that came
+    while the consumer was busy (psycopg keeps them: each would otherwise end a later wait at once)."""
+    received = sum(1 for _ in conn.notifies(timeout=timeout, stop_after=1))
+    return received + sum(1 for _ in conn.notifies(timeout=0))
+
+
 def wait_drained(conn: psycopg.Connection, broker: DrainingBroker, timeout: float = 30.0) -> None:
     """Wait until the outbox of the broker's lease is empty."""
     deadline = time.monotonic() + timeout
@@ -270,6 +298,266 @@ def wait_drained(conn: psycopg.Connection, broker: DrainingBroker, timeout: floa
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"{left} outbox rows still pending after {timeout} s")
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------
+# Comparison variants: what users write instead of pgbroker (issue 22's table), each on its own copy of the
+# 1,000-row table with 10 subscribers per row and its own consumer, which drains as DrainingBroker does (same
+# batch size, linger, batch delay and poll).  Kept small on purpose: none has pgbroker's guarantees (gap-free
+# subscribe, exact wake-ups at every isolation level, changed columns, several brokers, epochs, bulk paths).
+
+
+def subscribers_of(row: int) -> list[str]:
+    """The clients subscribed to ROW in every variant: client k has rows (10k + j) % 1000 + 1, j < 10."""
+    return [f"c{k}" for k in range(1000) for j in range(10) if (k * 10 + j) % 1000 + 1 == row]
+
+
+class Consumer(threading.Thread):
+    """A comparison variant's consumer: FETCH takes a batch off its queue (returns how many changes), after which
+    it sleeps on LISTEN CHANNEL, or for POLL when it has none (a polled queue)."""
+
+    channel: str | None = None
+    fetch_sql = ""
+
+    def __init__(self, url: str, label: str):
+        super().__init__(name=label, daemon=True)
+        self.label = label
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.backend_pid = self.conn.info.backend_pid
+        self.subs = {row: subscribers_of(row) for row in range(1, 1001)}  # for consumers that resolve clients
+        self.delivered = 0
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            if self.channel:
+                self.conn.execute(f"LISTEN {self.channel}")
+            while not self._halt.is_set():
+                self.drain()
+                if self.going_to_sleep():
+                    self.sleep()
+        except BaseException as exc:  # reported by check()
+            self.error = exc
+
+    def fetch(self) -> int:
+        rows = self.conn.execute(self.fetch_sql, prepare=True).fetchall()
+        told = [(key, self.subs[key]) for (key,) in rows]  # clients resolved by the consumer
+        return len(told)
+
+    def drain(self) -> None:
+        empty_since: float | None = None
+        while not self._halt.is_set():
+            n = self.fetch()
+            if n:
+                self.delivered += n
+                empty_since = None
+                if n < 1000:
+                    time.sleep(BATCH_DELAY)
+                continue
+            now = time.perf_counter()
+            if empty_since is None:
+                empty_since = now
+            elif now - empty_since >= LINGER:
+                return
+            time.sleep(0.001)
+
+    def going_to_sleep(self) -> bool:
+        return True
+
+    def sleep(self) -> None:
+        if self.channel:
+            wait_notified(self.conn, POLL)
+        else:
+            self._halt.wait(POLL)
+
+    def pending(self, conn: psycopg.Connection) -> int:
+        return 0
+
+    def check(self) -> None:
+        if self.error is not None or not self.is_alive():
+            raise RuntimeError(f"consumer {self.label} failed") from self.error
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(POLL + 10)
+        self.conn.close()
+        if self.error is not None or self.is_alive():
+            raise RuntimeError(f"consumer {self.label} failed or did not stop") from self.error
+
+
+class ClientListConsumer(Consumer):
+    """(a) "A trigger writes the list of clients to a table, then NOTIFY": a logged row per client, a NOTIFY
+    per transaction; the consumer deletes what it reads."""
+
+    channel = "bench_peer_a"
+    fetch_sql = (
+        "DELETE FROM bench.peer_a_note WHERE id = ANY (ARRAY(SELECT id FROM bench.peer_a_note ORDER BY id LIMIT 1000"
+        " FOR UPDATE SKIP LOCKED)) RETURNING object_id, client_id"
+    )
+    setup = """
+        CREATE TABLE bench.peer_a_subs (object_id bigint, client_id text, PRIMARY KEY (object_id, client_id));
+        INSERT INTO bench.peer_a_subs
+        SELECT mod(k * 10 + j, 1000) + 1, 'c' || k FROM generate_series(0, 999) k, generate_series(0, 9) j;
+        CREATE TABLE bench.peer_a_note (id bigserial PRIMARY KEY, object_id bigint NOT NULL, client_id text NOT NULL);
+        CREATE FUNCTION bench.peer_a() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO bench.peer_a_note (object_id, client_id)
+            SELECT NEW.id, s.client_id FROM bench.peer_a_subs s WHERE s.object_id = NEW.id;
+            IF FOUND THEN
+                PERFORM pg_notify('bench_peer_a', NEW.id::text);
+            END IF;
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER peer_a AFTER UPDATE ON bench.peer_a FOR EACH ROW EXECUTE FUNCTION bench.peer_a();
+    """
+
+    def fetch(self) -> int:
+        rows = self.conn.execute(self.fetch_sql, prepare=True).fetchall()
+        told: dict[int, list[str]] = {}
+        for key, client in rows:
+            told.setdefault(key, []).append(client)
+        return len(told)
+
+    def pending(self, conn: psycopg.Connection) -> int:
+        return conn.execute("SELECT count(*) FROM bench.peer_a_note").fetchone()[0]
+
+
+class NotifyJsonConsumer(Consumer):
+    """(b) A row trigger sending pg_notify(channel, json) per change; the listener resolves the clients."""
+
+    channel = "bench_peer_b"
+    setup = """
+        CREATE FUNCTION bench.peer_b() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            PERFORM pg_notify('bench_peer_b', json_build_object('id', NEW.id, 'op', TG_OP)::text);
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER peer_b AFTER UPDATE ON bench.peer_b FOR EACH ROW EXECUTE FUNCTION bench.peer_b();
+    """
+
+    last = 0.0
+
+    def drain(self) -> None:
+        for n in self.conn.notifies(timeout=POLL):
+            self.delivered += bool(self.subs[json.loads(n.payload)["id"]])
+            self.last = time.monotonic()
+            if self._halt.is_set():
+                return
+
+    def sleep(self) -> None:
+        pass
+
+    def pending(self, conn: psycopg.Connection) -> int:
+        return int(time.monotonic() - self.last < 0.1)  # (caught up: nothing came for 100 ms)
+
+
+class OutboxConsumer(Consumer):
+    """(c) Transactional outbox: a row trigger inserts one logged row with to_jsonb(NEW); the consumer polls it
+    and resolves the clients."""
+
+    fetch_sql = (
+        "DELETE FROM bench.peer_c_outbox WHERE id = ANY (ARRAY(SELECT id FROM bench.peer_c_outbox ORDER BY id"
+        " LIMIT 1000 FOR UPDATE SKIP LOCKED)) RETURNING payload"
+    )
+    setup = """
+        CREATE TABLE bench.peer_c_outbox (id bigserial PRIMARY KEY, payload jsonb NOT NULL);
+        CREATE FUNCTION bench.peer_c() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO bench.peer_c_outbox (payload) VALUES (to_jsonb(NEW));
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER peer_c AFTER UPDATE ON bench.peer_c FOR EACH ROW EXECUTE FUNCTION bench.peer_c();
+    """
+
+    def fetch(self) -> int:
+        rows = self.conn.execute(self.fetch_sql, prepare=True).fetchall()
+        told = [(payload["id"], self.subs[payload["id"]]) for (payload,) in rows]
+        return len(told)
+
+    def pending(self, conn: psycopg.Connection) -> int:
+        return conn.execute("SELECT count(*) FROM bench.peer_c_outbox").fetchone()[0]
+
+
+class PrototypeConsumer(Consumer):
+    """(d) The throwaway prototype of ../shared/reference/fanout-prototype.md: a row trigger copies a precomputed
+    client array into an UNLOGGED outbox and notifies a consumer whose "sleeping" flag it reads."""
+
+    channel = "bench_peer_d"
+    fetch_sql = (
+        "DELETE FROM bench.peer_d_outbox WHERE ctid = ANY (ARRAY(SELECT ctid FROM bench.peer_d_outbox ORDER BY id"
+        " LIMIT 1000 FOR UPDATE SKIP LOCKED)) RETURNING object_id, client_ids"
+    )
+    setup = """
+        CREATE TABLE bench.peer_d_agg (object_id bigint PRIMARY KEY, client_ids int[] NOT NULL);
+        INSERT INTO bench.peer_d_agg SELECT mod(k * 10 + j, 1000) + 1, array_agg(k)
+          FROM generate_series(0, 999) k, generate_series(0, 9) j GROUP BY 1;
+        CREATE UNLOGGED TABLE bench.peer_d_outbox (id bigserial PRIMARY KEY, object_id bigint NOT NULL,
+            version bigint NOT NULL, client_ids int[] NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
+        CREATE TABLE bench.peer_d_state (k text PRIMARY KEY, sleeping boolean NOT NULL);
+        INSERT INTO bench.peer_d_state VALUES ('fl', false);
+        CREATE FUNCTION bench.peer_d() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO bench.peer_d_outbox (object_id, version, client_ids)
+            SELECT NEW.id, NEW.val, a.client_ids FROM bench.peer_d_agg a WHERE a.object_id = NEW.id;
+            PERFORM pg_advisory_xact_lock_shared(4242);
+            IF coalesce((SELECT sleeping FROM bench.peer_d_state WHERE k = 'fl'), true) THEN
+                PERFORM pg_notify('bench_peer_d', '');
+            END IF;
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER peer_d AFTER UPDATE ON bench.peer_d FOR EACH ROW EXECUTE FUNCTION bench.peer_d();
+    """
+
+    def fetch(self) -> int:
+        rows = self.conn.execute(self.fetch_sql, prepare=True).fetchall()
+        told: dict[int, list[int]] = {}
+        for key, clients in rows:
+            told.setdefault(key, []).extend(clients)
+        return len(rows)
+
+    def going_to_sleep(self) -> bool:
+        with self.conn.transaction():  # flag set, then wait for writers that read it unset
+            self.conn.execute("UPDATE bench.peer_d_state SET sleeping = true WHERE k = 'fl'")
+            self.conn.execute("SELECT pg_advisory_xact_lock(4242)")
+        if self.conn.execute("SELECT EXISTS (SELECT FROM bench.peer_d_outbox)").fetchone()[0]:
+            self.conn.execute("UPDATE bench.peer_d_state SET sleeping = false WHERE k = 'fl'")
+            return False
+        return True
+
+    def sleep(self) -> None:
+        super().sleep()
+        self.conn.execute("UPDATE bench.peer_d_state SET sleeping = false WHERE k = 'fl'")
+
+    def pending(self, conn: psycopg.Connection) -> int:
+        return conn.execute("SELECT count(*) FROM bench.peer_d_outbox").fetchone()[0]
+
+
+PEERS: dict[str, type[Consumer]] = {
+    "peer_a": ClientListConsumer,
+    "peer_b": NotifyJsonConsumer,
+    "peer_c": OutboxConsumer,
+    "peer_d": PrototypeConsumer,
+}
+LABELS = {
+    "plain": "unwatched",
+    "statement": "pgbroker, statement mode",
+    "row": "pgbroker, row mode",
+    "peer_a": "peer a: trigger writes the client list, then NOTIFY",
+    "peer_b": "peer b: pg_notify(json) per row",
+    "peer_c": "peer c: transactional outbox",
+    "peer_d": "peer d: the throwaway prototype",
+}
+
+
+def wait_consumed(conn: psycopg.Connection, consumer: Consumer, timeout: float = 30.0) -> None:
+    """Wait until a comparison variant's queue is empty."""
+    deadline = time.monotonic() + timeout
+    while consumer.pending(conn):
+        consumer.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{consumer.label}: {consumer.pending(conn)} changes still pending after {timeout} s")
         time.sleep(0.01)
 
 
@@ -390,45 +678,61 @@ def update_script(table: str, rows: int) -> str:
 
 
 # ---------------------------------------------------------------------------
-# 1. UPDATE throughput, watched vs plain, broker draining.
+# 1. UPDATE throughput: unwatched, pgbroker's two modes and the comparison variants, each with its consumer.
+
+VARIANTS = ("plain", "statement", "row", *PEERS)
+TABLES = {"plain": "bench.plain", "statement": "bench.watched", "row": "bench.watched_row"} | {
+    p: f"bench.{p}" for p in PEERS
+}
 
 
-def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: PgBench, cfg: Settings,
-                     results: Results) -> None:  # fmt: skip
-    print("1. UPDATE throughput, 1,000 rows, 10 subscribers per row, broker draining", flush=True)
-    # "paused": the broker stays awake (writers send no NOTIFY) but does not drain: the triggers' cost alone.
-    # "proto": bench.proto with a minimal statement-level trigger (see setup_fixture), not drained: what a bare
-    # INSERT ... SELECT from the NEW TABLE joined to pgbroker.interest costs on this machine.
-    # "drained": bench.drained, whose trigger is the same INSERT ... SELECT into the real outbox, drained by
-    # the broker, as SECURITY DEFINER and with the wake-up test: the least any trigger with a drained outbox
-    # does (no key changes, changed columns, subscribe ordering or per-broker wake-ups).
-    scripts = {
-        "plain": update_script("bench.plain", 1000),
-        "watched": update_script("bench.watched", 1000),
-        "paused": update_script("bench.watched", 1000),
-        "proto": update_script("bench.proto", 1000),
-        "drained": update_script("bench.drained", 1000),
-    }
+def _cpu_now(server: EmbeddedPostgres, consumer_pid: int | None) -> tuple[float, float, float]:
+    """(server CPU, this process's CPU, the consumer backend's CPU), in seconds."""
+    return server_cpu(server.datadir), time.process_time(), _proc_cpu(consumer_pid) if consumer_pid else 0.0
+
+
+def _sample_waits(url: str, stop: threading.Event, into: Counter[str]) -> None:
+    """Sample the wait events of pgbench's backends every 10 ms until STOP (a running backend counts as CPU)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        while not stop.is_set():
+            for event_type, event in conn.execute(
+                "SELECT wait_event_type, wait_event FROM pg_stat_activity"
+                " WHERE application_name = 'pgbench' AND state = 'active'"
+            ):
+                into[f"{event_type}:{event}" if event_type else "CPU"] += 1
+            stop.wait(0.01)
+
+
+def bench_throughput(
+    url: str,
+    conn: psycopg.Connection,
+    broker: DrainingBroker,
+    consumers: dict[str, Consumer],
+    pgbench: PgBench,
+    cfg: Settings,
+    results: Results,
+) -> None:
+    print("1. UPDATE throughput, 1,000 rows, 10 subscribers per row, each design with its consumer", flush=True)
+    server = pgbench.server
     for writers in (1, 8):
-        tps: dict[str, list[float]] = {k: [] for k in scripts}
-        cpu: dict[str, list[float]] = {k: [] for k in scripts}  # CPU seconds per transaction
+        s = "s" if writers > 1 else ""
+        tps: dict[str, list[float]] = {k: [] for k in VARIANTS}
+        cpu: dict[str, list[float]] = {k: [] for k in VARIANTS}  # CPU seconds per transaction
+        consumer_cpu: dict[str, list[float]] = {k: [] for k in VARIANTS}  # of that, the consumer's backend and loop
         fetch_cpu: list[float] = []  # broker backend CPU seconds per delivered row
-        split: dict[str, list[tuple[float, float, float]]] = {"watched": [], "drained": []}
         counts: Counter[str] = Counter()
         transactions = 0.0
-        backlog = 0
         for r in range(cfg.tps_rounds):
-            order = list(scripts)[r % len(scripts) :] + list(scripts)[: r % len(scripts)]
-            for variant in order:
-                vacuum(conn, "bench.plain", "bench.watched", "bench.proto", "bench.drained", "pgbroker.outbox")
-                conn.execute("TRUNCATE bench.proto_outbox")
-                if variant == "paused":
-                    broker.paused.set()
+            for variant in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
+                vacuum(conn, *TABLES.values(), "pgbroker.outbox")
+                consumer = consumers.get(variant)
+                pid = consumer.backend_pid if consumer else broker.backend_pid if variant != "plain" else None
                 before = broker.counters()
-                cpu0 = (server_cpu(pgbench.server.datadir), time.process_time(), _proc_cpu(broker.backend_pid))
-                value = pgbench.tps(f"{variant}{writers}", scripts[variant], writers, cfg.tps_seconds)
-                after = broker.counters()
-                # pgbench's backends exit after it does: count their CPU once the postmaster has reaped them.
+                cpu0 = _cpu_now(server, pid)
+                script = update_script(TABLES[variant], 1000)
+                value = pgbench.tps(f"{variant}{writers}", script, writers, cfg.tps_seconds)
+                # pgbench's backends exit after it does: count their CPU once the postmaster has reaped them, and
+                # the consumer's once it has caught up.
                 deadline = time.monotonic() + 10
                 while (
                     time.monotonic() < deadline
@@ -437,51 +741,67 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
                     ).fetchone()[0]
                 ):
                     time.sleep(0.01)
-                time.sleep(0.05)
-                cpu1 = (server_cpu(pgbench.server.datadir), time.process_time(), _proc_cpu(broker.backend_pid))
-                tps[variant].append(value)
-                # Server processes (writers' backends and the broker's) plus this process (the broker's loop).
-                cpu[variant].append((cpu1[0] - cpu0[0] + cpu1[1] - cpu0[1]) / max(value * cfg.tps_seconds, 1))
-                if variant == "watched" and after["delivered"] > before["delivered"]:
-                    fetch_cpu.append((cpu1[2] - cpu0[2]) / (after["delivered"] - before["delivered"]))
-                if variant in ("watched", "drained"):
-                    txns = max(value * cfg.tps_seconds, 1)
-                    split[variant].append(
-                        (
-                            (cpu1[0] - cpu0[0] - (cpu1[2] - cpu0[2])) / txns,  # the rest of the server
-                            (cpu1[2] - cpu0[2]) / txns,  # the broker's backend
-                            (cpu1[1] - cpu0[1]) / txns,  # the broker's loop (this process)
-                        )
-                    )
-                if variant == "watched":
-                    backlog = max(backlog, conn.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0])
+                if consumer:
+                    wait_consumed(conn, consumer)
+                else:
                     wait_drained(conn, broker)
-                    after = broker.counters()
+                time.sleep(0.05)
+                cpu1 = _cpu_now(server, pid)
+                txns = max(value * cfg.tps_seconds, 1)
+                tps[variant].append(value)
+                # Server processes (writers' backends, consumers' backends) plus this process (the consumers' loops).
+                cpu[variant].append((cpu1[0] - cpu0[0] + cpu1[1] - cpu0[1]) / txns)
+                consumer_cpu[variant].append((cpu1[2] - cpu0[2] + cpu1[1] - cpu0[1]) / txns)
+                after = broker.counters()
+                if variant in ("statement", "row"):
+                    if after["delivered"] > before["delivered"]:
+                        fetch_cpu.append((cpu1[2] - cpu0[2]) / (after["delivered"] - before["delivered"]))
                     counts.update({k: after[k] - before[k] for k in after})
-                    transactions += value * cfg.tps_seconds
-                broker.paused.clear()
-                wait_drained(conn, broker)
-                print(f"   {writers} writer(s) {variant:8s} {value:8.0f} tps", flush=True)
-        plain, watched, paused, proto, drained = (
-            statistics.median(tps[k]) for k in ("plain", "watched", "paused", "proto", "drained")
-        )
-        ratio = watched / plain
-        s = "s" if writers > 1 else ""
-        results.figures[f"tps_ratio_{writers}"] = ratio
+                    transactions += txns
+                print(f"   {writers} writer{s} {variant:10s} {value:8.0f} tps", flush=True)
+        med = {k: statistics.median(tps[k]) for k in VARIANTS}
+        med_cpu = {k: statistics.median(cpu[k]) for k in VARIANTS}
+        for variant in VARIANTS[1:]:
+            label = LABELS[variant]
+            ratio = med[variant] / med["plain"]
+            results.figures[f"tps_ratio_{writers}_{variant}"] = ratio
+            target = f">= {TPS_TARGET}x {_verdict(ratio >= TPS_TARGET)}" if variant == "statement" else "(info)"
+            results.add(
+                f"UPDATE tps, {writers} writer{s}: {label}",
+                f"{med[variant]:,.0f} tps",
+                f"{med['plain']:,.0f} tps",
+                f"{ratio:.2f}x",
+                target,
+            )
+            ratio = med_cpu[variant] / med_cpu["plain"]
+            results.figures[f"cpu_ratio_{writers}_{variant}"] = ratio
+            target = f"<= {CPU_TARGET}x {_verdict(ratio <= CPU_TARGET)}" if variant == "statement" else "(info)"
+            results.add(
+                f"  CPU per transaction, {writers} writer{s}: {label}",
+                f"{med_cpu[variant] * 1e6:,.0f} us",
+                f"{med_cpu['plain'] * 1e6:,.0f} us",
+                f"{ratio:.2f}x",
+                target,
+            )
+        results.figures[f"tps_ratio_{writers}"] = results.figures[f"tps_ratio_{writers}_statement"]
+        # Issue 22's targets: row mode against the transactional outbox, the design it competes with.
+        ratio = med["row"] / med["peer_c"]
+        target = f">= {PEER_TPS_TARGET}x {_verdict(ratio >= PEER_TPS_TARGET)}"
         results.add(
-            f"UPDATE tps, {writers} writer{s} (pgbench)",
-            f"{watched:,.0f} tps",
-            f"{plain:,.0f} tps",
+            f"row mode vs transactional outbox, tps, {writers} writer{s}",
+            f"{med['row']:,.0f} tps",
+            f"{med['peer_c']:,.0f} tps",
             f"{ratio:.2f}x",
-            f">= {TPS_TARGET}x {_verdict(ratio >= TPS_TARGET)}",
+            target,
         )
-        cpu_watched, cpu_plain = statistics.median(cpu["watched"]), statistics.median(cpu["plain"])
+        ratio = med_cpu["row"] / med_cpu["peer_c"]
+        target = f"<= {PEER_CPU_TARGET}x {_verdict(ratio <= PEER_CPU_TARGET)}"
         results.add(
-            f"  CPU per transaction (server + broker), {writers} writer{s}",
-            f"{cpu_watched * 1e6:,.0f} us",
-            f"{cpu_plain * 1e6:,.0f} us",
-            f"{cpu_watched / cpu_plain:.2f}x",
-            f"<= {CPU_TARGET}x {_verdict(cpu_watched / cpu_plain <= CPU_TARGET)}",
+            f"row mode vs transactional outbox, CPU per transaction, {writers} writer{s}",
+            f"{med_cpu['row'] * 1e6:,.0f} us",
+            f"{med_cpu['peer_c'] * 1e6:,.0f} us",
+            f"{ratio:.2f}x",
+            target,
         )
         if fetch_cpu:
             per_row = statistics.median(fetch_cpu) * 1e6
@@ -492,28 +812,7 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
                 "",
                 f"<= {FETCH_CPU_TARGET_US} us {_verdict(per_row <= FETCH_CPU_TARGET_US)}",
             )
-        results.add(
-            f"  same, broker awake but not draining, {writers} writer{s}",
-            f"{paused:,.0f} tps",
-            f"{plain:,.0f} tps",
-            f"{paused / plain:.2f}x",
-            "(info: triggers only)",
-        )
-        results.add(
-            f"  minimal stmt-trigger prototype, {writers} writer{s}",
-            f"{proto:,.0f} tps",
-            f"{plain:,.0f} tps",
-            f"{proto / plain:.2f}x",
-            "(info: reachable here)",
-        )
-        results.add(
-            f"  same into the drained outbox + wake-up test, {writers} writer{s}",
-            f"{drained:,.0f} tps",
-            f"{plain:,.0f} tps",
-            f"{drained / plain:.2f}x",
-            "(info: least with delivery)",
-        )
-        seconds = cfg.tps_seconds * cfg.tps_rounds
+        seconds = cfg.tps_seconds * cfg.tps_rounds * 2
         results.add(
             f"  NOTIFYs received while draining, {writers} writer{s}",
             f"{counts['notifies']:,} ({counts['notifies'] / seconds:,.1f}/s)",
@@ -521,23 +820,40 @@ def bench_throughput(conn: psycopg.Connection, broker: DrainingBroker, pgbench: 
             f"{counts['notifies'] / max(transactions, 1):.4f}/txn",
             "<< 1/txn",
         )
-        for variant, parts in split.items():
-            if parts:
-                rest, backend, loop = (statistics.median(p[i] for p in parts) * 1e6 for i in range(3))
-                results.note(
-                    f"{writers} writer(s), {variant}: CPU per transaction {rest:,.0f} us in the writers' backends and"
-                    f" the rest of the server, {backend:,.0f} us in the broker's backend, {loop:,.0f} us in the"
-                    f" broker's loop (unwatched: {statistics.median(cpu['plain']) * 1e6:,.0f} us in all)"
-                )
         results.note(
-            f"{writers} writer(s), tps per round: "
+            f"{writers} writer{s}, CPU per transaction in the consumer (its backend and its loop), unwatched"
+            f" {statistics.median(cpu['plain']) * 1e6:,.0f} us in all: "
+            + "; ".join(f"{k} {statistics.median(consumer_cpu[k]) * 1e6:,.0f} us" for k in VARIANTS[1:])
+        )
+        results.note(
+            f"{writers} writer{s}, tps per round: "
             + "; ".join(f"{k} {', '.join(f'{v:,.0f}' for v in vals)}" for k, vals in tps.items())
         )
         results.note(
-            f"{writers} writer(s), watched runs: delivered {counts['delivered']:,} outbox rows in {counts['fetches']:,}"
-            f" fetches ({counts['delivered'] / max(counts['fetches'], 1):.1f} rows/fetch); {counts['wakes']:,} wakes,"
-            f" sleeps asleep/pending/busy {counts['asleep']:,}/{counts['pending']:,}/{counts['busy']:,},"
-            f" poll timeouts {counts['timeouts']:,}; max backlog when pgbench stopped {backlog:,}"
+            f"{writers} writer{s}, pgbroker's runs: delivered {counts['delivered']:,} outbox rows in"
+            f" {counts['fetches']:,} fetches ({counts['delivered'] / max(counts['fetches'], 1):.1f} rows/fetch);"
+            f" {counts['wakes']:,} wakes, sleeps asleep/pending/busy {counts['asleep']:,}/{counts['pending']:,}"
+            f"/{counts['busy']:,}, poll timeouts {counts['timeouts']:,}"
+        )
+    # What the writers wait for at 8 writers (one more run of each, sampled: the sampling costs CPU of its own).
+    for variant in ("plain", "statement", "row", "peer_c"):
+        waits: Counter[str] = Counter()
+        stop = threading.Event()
+        sampler = threading.Thread(target=_sample_waits, args=(url, stop, waits))
+        sampler.start()
+        try:
+            pgbench.tps(f"waits_{variant}", update_script(TABLES[variant], 1000), 8, cfg.tps_seconds)
+        finally:
+            stop.set()
+            sampler.join(10)
+        if variant in consumers:
+            wait_consumed(conn, consumers[variant])
+        else:
+            wait_drained(conn, broker)
+        total = max(sum(waits.values()), 1)
+        results.note(
+            f"8 writers, {LABELS[variant]}: what active writer backends were doing (share of {total:,} samples): "
+            + ", ".join(f"{k} {v / total:.1%}" for k, v in waits.most_common(6))
         )
 
 
@@ -569,6 +885,8 @@ def bench_bulk(conn: psycopg.Connection, broker: DrainingBroker, watch_ids: dict
         "sparse": ("UPDATE bench.bulk_sparse SET val = val + 1", "bench.bulk_sparse", BULK_ROWS // 100),
         "dense": ("UPDATE bench.bulk_dense SET val = val + 1", "bench.bulk_dense", BULK_ROWS),
         "floor": (floor_sql, "bench.floor_outbox", None),
+        "sparse_row": ("UPDATE bench.bulk_sparse_row SET val = val + 1", "bench.bulk_sparse_row", BULK_ROWS // 100),
+        "dense_row": ("UPDATE bench.bulk_dense_row SET val = val + 1", "bench.bulk_dense_row", BULK_ROWS),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
@@ -607,6 +925,16 @@ def bench_bulk(conn: psycopg.Connection, broker: DrainingBroker, watch_ids: dict
         f"{ratio:.2f}x",
         "(info)",
     )
+    for key in ("sparse_row", "dense_row"):
+        ratio = med[key] / med["plain"]
+        results.figures[f"bulk_{key}_ratio"] = ratio
+        results.add(
+            f"10k-row UPDATE, {'1% of' if key == 'sparse_row' else 'every'} row subscribed, row mode",
+            f"{med[key] * 1000:.1f} ms",
+            f"{med['plain'] * 1000:.1f} ms",
+            f"{ratio:.2f}x",
+            "(info: statement mode is for bulk)",
+        )
     per_row = (med["dense"] - med["plain"]) / BULK_ROWS
     floor_per_row = med["floor"] / BULK_ROWS
     ratio = per_row / floor_per_row
@@ -662,15 +990,16 @@ def bench_huge(conn: psycopg.Connection, broker: DrainingBroker, cfg: Settings, 
 def bench_latency(url: str, conn: psycopg.Connection, broker: DrainingBroker, cfg: Settings, results: Results) -> None:
     print(f"3. commit-to-handler latency, {cfg.latency_rate:.0f} writes/s for {cfg.latency_seconds:.0f} s", flush=True)
     count = min(1000, round(cfg.latency_rate * cfg.latency_seconds))
-    committed: dict[int, float] = {}
-    seen: dict[int, float] = {}
+    modes = {"statement": "bench.watched", "row": "bench.watched_row"}
+    committed: dict[str, dict[int, float]] = {m: {} for m in modes}
+    seen: dict[str, dict[int, float]] = {t: {} for t in modes.values()}
     floor_committed: dict[int, float] = {}
     floor_seen: dict[int, float] = {}
 
     def on_rows(rows: list[tuple[Any, ...]], now: float) -> None:
         for row in rows:  # id, table, op, key, changed, clients, at
-            if row[1] == "bench.watched" and row[2] == "U":
-                seen.setdefault(int(row[3]), now)
+            if row[1] in seen and row[2] == "U":
+                seen[row[1]].setdefault(int(row[3]), now)
 
     # The Python Broker (pgbroker.broker.Broker.notifications(), when it exists) on its own lease "py",
     # whose one client is subscribed to the same rows: every write reaches both brokers.
@@ -700,10 +1029,11 @@ def bench_latency(url: str, conn: psycopg.Connection, broker: DrainingBroker, cf
             next_at = time.perf_counter()
             for i in range(count):
                 key = i + 1
-                # pgbroker: an autocommit UPDATE of a row with 10 subscribers.
-                writer.execute("UPDATE bench.watched SET val = val + 1 WHERE id = %s", (key,))
-                committed[key] = time.perf_counter()
-                time.sleep(period / 2)
+                # pgbroker, in each mode: an autocommit UPDATE of a row with 10 subscribers.
+                for mode, table in modes.items():
+                    writer.execute(f"UPDATE {table} SET val = val + 1 WHERE id = %s", (key,))
+                    committed[mode][key] = time.perf_counter()
+                    time.sleep(period / 3)
                 # Floor: the same UPDATE on the unwatched table plus a NOTIFY, one transaction.
                 floor_writer.execute("UPDATE bench.plain SET val = val + 1 WHERE id = %s", (key,))
                 floor_writer.execute("SELECT pg_notify('bench_floor', %s)", (str(key),))
@@ -712,9 +1042,9 @@ def bench_latency(url: str, conn: psycopg.Connection, broker: DrainingBroker, cf
                 next_at += period
                 time.sleep(max(0.0, next_at - time.perf_counter()))
         deadline = time.monotonic() + 5
-        while (len(seen) < count or len(floor_seen) < count or (api and len(api_seen) < count)) and (
-            time.monotonic() < deadline
-        ):
+        while (
+            min(map(len, seen.values())) < count or len(floor_seen) < count or (api and len(api_seen) < count)
+        ) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         if api is not None:
@@ -724,33 +1054,37 @@ def bench_latency(url: str, conn: psycopg.Connection, broker: DrainingBroker, cf
         thread.join(5)
         listener.close()
     after = broker.counters()
-    if len(seen) < count or len(floor_seen) < count:
-        raise RuntimeError(f"latency: broker saw {len(seen)}/{count}, floor listener {len(floor_seen)}/{count}")
-    ours = [(seen[k] - committed[k]) * 1000 for k in committed]
+    if min(map(len, seen.values())) < count or len(floor_seen) < count:
+        got = ", ".join(f"{t} {len(v)}" for t, v in seen.items())
+        raise RuntimeError(f"latency: broker saw {got} of {count}, floor listener {len(floor_seen)}/{count}")
     floor = [(floor_seen[k] - floor_committed[k]) * 1000 for k in floor_committed]
-    for label, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)):
-        a, b = _percentile(ours, q), _percentile(floor, q)
-        results.figures[f"latency_{label}_ms"] = a
-        target = ""
-        if label == "p99":
-            target = f"< {LATENCY_P99_TARGET_MS:.0f} ms {_verdict(a < LATENCY_P99_TARGET_MS)}"
-        results.add(
-            f"commit-to-handler latency {label} (n={count})",
-            f"{a:.2f} ms",
-            f"{b:.2f} ms",
-            f"{a / b:.2f}x" if b > 0 else "-",
-            target,
-        )
+    negative = 0
+    for mode, table in modes.items():
+        ours = [(seen[table][k] - committed[mode][k]) * 1000 for k in committed[mode]]
+        negative += sum(1 for v in ours if v < 0)
+        for label, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)):
+            a, b = _percentile(ours, q), _percentile(floor, q)
+            results.figures[f"latency_{label}_ms" if mode == "statement" else f"latency_{mode}_{label}_ms"] = a
+            target = ""
+            if label == "p99":
+                target = f"< {LATENCY_P99_TARGET_MS:.0f} ms {_verdict(a < LATENCY_P99_TARGET_MS)}"
+            results.add(
+                f"commit-to-handler latency {label} (n={count}), {mode} mode",
+                f"{a:.2f} ms",
+                f"{b:.2f} ms",
+                f"{a / b:.2f}x" if b > 0 else "-",
+                target,
+            )
     if api is not None:
         if len(api_seen) < count:
             raise RuntimeError(f"latency: Broker.notifications() saw {len(api_seen)}/{count}")
-        via_api = [(api_seen[k] - committed[k]) * 1000 for k in committed]
+        via_api = [(api_seen[k] - committed["statement"][k]) * 1000 for k in committed["statement"]]
         for label, q in (("p50", 0.5), ("p99", 0.99)):
             a, b = _percentile(via_api, q), _percentile(floor, q)
             results.figures[f"latency_api_{label}_ms"] = a
             target = f"< {LATENCY_P99_TARGET_MS:.0f} ms {_verdict(a < LATENCY_P99_TARGET_MS)}" if label == "p99" else ""
             results.add(
-                f"  same via Broker.notifications() {label}",
+                f"  same via Broker.notifications() {label}, statement mode",
                 f"{a:.2f} ms",
                 f"{b:.2f} ms",
                 f"{a / b:.2f}x" if b > 0 else "-",
@@ -758,8 +1092,9 @@ def bench_latency(url: str, conn: psycopg.Connection, broker: DrainingBroker, cf
             )
     results.note(
         f"latency run: {after['notifies'] - before['notifies']} NOTIFYs received and"
-        f" {after['timeouts'] - before['timeouts']} poll timeouts for {count} writes (an idle broker is woken by each);"
-        f" {sum(1 for v in ours if v < 0)} samples negative (handler ran before the writer's commit call returned)"
+        f" {after['timeouts'] - before['timeouts']} poll timeouts for {2 * count} writes (an idle broker is woken by"
+        " each);"
+        f" {negative} samples negative (handler ran before the writer's commit call returned)"
     )
 
 
@@ -828,15 +1163,17 @@ def _statement_latencies(conn: psycopg.Connection, tables: Sequence[str], n: int
 
 def bench_scale(url: str, conn: psycopg.Connection, pgbench: PgBench, cfg: Settings, results: Results) -> None:
     print("4. scale: 100 clients / 2,000 subscriptions vs 10,000 clients / 200,000 subscriptions", flush=True)
-    broker = DrainingBroker(url, BROKER)  # a new epoch: the clients of parts 1-3 are gone
+    broker = DrainingBroker(url, BROKER)  # a new epoch: the clients of parts 1-3 are invisible, then swept
     broker.start()
     try:
+        while conn.execute("SELECT pgbroker.broker_sweep(%s)", (BROKER,)).fetchone()[0]:
+            pass
         left = conn.execute(
             "SELECT count(*), count(s.*) FROM pgbroker.client c LEFT JOIN pgbroker.subscription s USING (client_key)"
             " WHERE c.name = %s",
             (BROKER,),
         ).fetchone()
-        assert left == (0, 0), f"the new claim left clients/subscriptions behind: {left}"
+        assert left == (0, 0), f"the sweep left clients/subscriptions of earlier epochs behind: {left}"
         vacuum(conn, "pgbroker.client", "pgbroker.subscription", "pgbroker.interest", "pgbroker.outbox")
         scripts = {"scale": update_script("bench.scale", 1000), "plain": update_script("bench.plain", 1000)}
         measured: dict[str, dict[str, float]] = {}
@@ -909,6 +1246,140 @@ def bench_scale(url: str, conn: psycopg.Connection, pgbench: PgBench, cfg: Setti
 
 
 # ---------------------------------------------------------------------------
+# 5. What each guarantee of row mode costs (--only guarantees; diagnostic: the stripped triggers are not correct).
+
+GUARANTEES = (  # (key, what is taken out, cumulatively), in this order
+    ("every", "row mode, every guarantee"),
+    ("definer", "without SECURITY DEFINER and its pinned search_path"),
+    ("watchlock", "... and the watch try-lock (gap-free subscribe)"),
+    ("isolation", "... and the isolation test (exact at REPEATABLE READ)"),
+    ("whole", "... and the whole-table probe"),
+    ("wakeup", "... and the drain lock and awake test (exact wake-up, nothing for a dead broker)"),
+)
+
+
+def strip_guarantees(conn: psycopg.Connection, watch_id: int, upto: int) -> None:
+    """Replace the row-mode UPDATE trigger function of watch WATCH_ID with one without the first UPTO guarantees."""
+    src = conn.execute("SELECT pg_get_functiondef(%s::regprocedure)", (f"pgbroker._watch_{watch_id}_upd()",))
+    src = src.fetchone()[0]
+    cuts = [
+        (" SECURITY DEFINER\n", "\n"),
+        (" SET search_path TO 'pg_catalog', 'pg_temp'\n", "\n"),
+        (f"pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {watch_id})", "true"),
+        ("current_setting('transaction_isolation') = 'read committed'", "true"),
+        (f"NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {watch_id} AND row_key = 'null'::jsonb)", "true"),
+    ][: {0: 0, 1: 2, 2: 3, 3: 4}.get(upto, 5)]
+    for old, new in cuts:
+        assert old in src, (old, src)
+        src = src.replace(old, new, 1)
+    if upto >= 5:  # the fast path's wake-up test: WHERE CASE ... END; of its INSERT
+        start = src.index("WHERE CASE")
+        src = src[:start] + ";" + src[src.index("END;", start) + 4 :]
+    conn.execute(src)
+
+
+def bench_guarantees(url: str, conn: psycopg.Connection, broker: DrainingBroker, outbox: Consumer, pgbench: PgBench,
+                     cfg: Settings, results: Results) -> None:  # fmt: skip
+    print("5. what each guarantee of row mode costs a single-row UPDATE", flush=True)
+    tables = {key: f"bench.g_{key}" for key, _ in GUARANTEES}
+    for n, (key, _) in enumerate(GUARANTEES):
+        make_table(conn, tables[key], 1000)
+        watch_id = conn.execute("SELECT pgbroker.watch(%s, mode => 'row')", (tables[key],)).fetchone()[0]
+        subscribe_all(
+            conn, BROKER, broker.epoch, tables[key],
+            "SELECT 'c' || k, mod(k * 10 + j, 1000) + 1 FROM generate_series(%s::int, %s::int) k,"
+            " generate_series(0, 9) j",
+            [(0, 999)],
+        )  # fmt: skip
+        strip_guarantees(conn, watch_id, n)
+    conn.execute("VACUUM ANALYZE")
+    tables |= {"plain": TABLES["plain"], "peer_c": TABLES["peer_c"]}
+    variants = ("plain", "peer_c", *(key for key, _ in GUARANTEES))
+    server = pgbench.server
+    for writers in (1, 8):
+        s = "s" if writers > 1 else ""
+        tps: dict[str, list[float]] = {k: [] for k in variants}
+        cpu: dict[str, list[float]] = {k: [] for k in variants}
+        for r in range(cfg.tps_rounds):
+            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                vacuum(conn, *tables.values(), "pgbroker.outbox")
+                pid = outbox.backend_pid if variant == "peer_c" else broker.backend_pid if variant != "plain" else None
+                cpu0 = _cpu_now(server, pid)
+                value = pgbench.tps(f"g_{variant}{writers}", update_script(tables[variant], 1000), writers,
+                                    cfg.tps_seconds)  # fmt: skip
+                deadline = time.monotonic() + 10
+                while (
+                    time.monotonic() < deadline
+                    and conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgbench'"
+                    ).fetchone()[0]
+                ):
+                    time.sleep(0.01)
+                if variant == "peer_c":
+                    wait_consumed(conn, outbox)
+                else:
+                    wait_drained(conn, broker)
+                time.sleep(0.05)
+                cpu1 = _cpu_now(server, pid)
+                tps[variant].append(value)
+                cpu[variant].append((cpu1[0] - cpu0[0] + cpu1[1] - cpu0[1]) / max(value * cfg.tps_seconds, 1))
+                print(f"   {writers} writer{s} {variant:10s} {value:8.0f} tps", flush=True)
+        med = {k: statistics.median(tps[k]) for k in variants}
+        med_cpu = {k: statistics.median(cpu[k]) * 1e6 for k in variants}
+        previous = None
+        for key, label in GUARANTEES:
+            step = "" if previous is None else f"; this step {med_cpu[key] - med_cpu[previous]:+,.0f} us"
+            results.add(
+                f"{'  ' if previous else ''}guarantees, {writers} writer{s}: {label}",
+                f"{med[key]:,.0f} tps, {med_cpu[key]:,.0f} us CPU/txn",
+                f"{med['peer_c']:,.0f} tps, {med_cpu['peer_c']:,.0f} us CPU/txn",
+                f"{med[key] / med['peer_c']:.2f}x",
+                f"(info: vs the outbox; CPU {med_cpu[key] / med_cpu['peer_c']:.2f}x{step})",
+            )
+            previous = key
+        results.note(
+            f"guarantees, {writers} writer{s}: unwatched {med['plain']:,.0f} tps, {med_cpu['plain']:,.0f} us CPU/txn;"
+            " tps per round: " + "; ".join(f"{k} {', '.join(f'{v:,.0f}' for v in vals)}" for k, vals in tps.items())
+        )
+    # One session with synchronous_commit off: the writer's backend CPU per UPDATE, which neither the WAL flush nor
+    # the consumers blur (a step of the rounds above is within their noise on this machine).
+    updates = int(cfg.tps_seconds * 1250)
+    us: dict[str, list[float]] = {k: [] for k in variants}
+    with psycopg.connect(url, autocommit=True) as session:
+        session.execute("SET synchronous_commit = off")
+        pid = session.info.backend_pid
+        for r in range(cfg.tps_rounds):
+            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                vacuum(conn, *tables.values(), "pgbroker.outbox")
+                sql = f"UPDATE {tables[variant]} SET val = val + 1 WHERE id = %s"
+                ids = [random.randint(1, 1000) for _ in range(updates)]
+                cpu0 = _proc_cpu(pid)
+                for row in ids:
+                    session.execute(sql, (row,), prepare=True)
+                us[variant].append((_proc_cpu(pid) - cpu0) / updates * 1e6)
+                if variant == "peer_c":
+                    wait_consumed(conn, outbox)
+                elif variant != "plain":
+                    wait_drained(conn, broker)
+    med_us = {k: statistics.median(v) for k, v in us.items()}
+    previous = None
+    for key, label in GUARANTEES:
+        step = "" if previous is None else f"; this step {med_us[key] - med_us[previous]:+,.1f} us"
+        results.add(
+            f"{'  ' if previous else ''}guarantees, one session (synchronous_commit off): {label}",
+            f"{med_us[key]:,.1f} us backend CPU/UPDATE",
+            f"{med_us['peer_c']:,.1f} us backend CPU/UPDATE",
+            f"{med_us[key] / med_us['peer_c']:.2f}x",
+            f"(info: CPU vs the outbox; unwatched {med_us['plain']:,.1f} us{step})",
+        )
+        previous = key
+    results.note(
+        f"guarantees, one session: {updates:,} UPDATEs per round, backend CPU per UPDATE (us) per round: "
+        + "; ".join(f"{k} {', '.join(f'{v:,.1f}' for v in vals)}" for k, vals in us.items())
+    )
+
+
+# ---------------------------------------------------------------------------
 # Plans of the generated trigger functions' queries (--explain).
 
 
@@ -923,6 +1394,7 @@ def explain_triggers(conn: psycopg.Connection) -> None:
         conn.execute(f"SET auto_explain.{setting} = '{value}'")
     for label, sql in (
         ("single-row UPDATE, 10 subscribers", "UPDATE bench.watched SET val = val + 1 WHERE id = 7"),
+        ("the same in row mode", "UPDATE bench.watched_row SET val = val + 1 WHERE id = 7"),
         ("10k-row UPDATE, 1% subscribed", "UPDATE bench.bulk_sparse SET val = val + 1"),
         ("10k-row UPDATE, every row subscribed", "UPDATE bench.bulk_dense SET val = val + 1"),
     ):
@@ -946,83 +1418,53 @@ def explain_triggers(conn: psycopg.Connection) -> None:
 def setup_fixture(conn: psycopg.Connection, broker: DrainingBroker) -> tuple[dict[str, int], list[str]]:
     notes = []
     conn.execute("CREATE SCHEMA bench")
-    for table, rows in (("bench.plain", 1000), ("bench.watched", 1000), ("bench.bulk_plain", BULK_ROWS),
-                        ("bench.bulk_sparse", BULK_ROWS), ("bench.bulk_dense", BULK_ROWS),
+    for table, rows in (("bench.plain", 1000), ("bench.watched", 1000), ("bench.watched_row", 1000),
+                        ("bench.bulk_plain", BULK_ROWS), ("bench.bulk_sparse", BULK_ROWS),
+                        ("bench.bulk_sparse_row", BULK_ROWS), ("bench.bulk_dense", BULK_ROWS),
+                        ("bench.bulk_dense_row", BULK_ROWS),
                         ("bench.scale", SCALE_ROWS), ("bench.huge_plain", HUGE_ROWS),
-                        ("bench.huge_sparse", HUGE_ROWS)):  # fmt: skip
+                        ("bench.huge_sparse", HUGE_ROWS), *((f"bench.{p}", 1000) for p in PEERS)):  # fmt: skip
         make_table(conn, table, rows)
     conn.execute("CREATE UNLOGGED TABLE bench.floor_outbox (LIKE pgbroker.outbox INCLUDING ALL)")
-    make_table(conn, "bench.proto", 1000)
-    conn.execute("CREATE UNLOGGED TABLE bench.proto_outbox (LIKE pgbroker.outbox INCLUDING ALL)")
     watch_ids = {
-        t: conn.execute("SELECT pgbroker.watch(%s)", (t,)).fetchone()[0]
-        for t in ("bench.watched", "bench.bulk_sparse", "bench.bulk_dense", "bench.scale", "bench.huge_sparse")
-    }
-    # The prototype reads the interest rows of bench.watched (10 subscribers per row): no locks, no wake-up,
-    # no old/new join, no changed columns, no SECURITY DEFINER.
-    conn.execute(f"""
-        CREATE FUNCTION bench.proto_trigger() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            INSERT INTO bench.proto_outbox (name, epoch, watch_id, op, row_key, changed, clients)
-            SELECT i.name, i.epoch, i.watch_id, 'U', i.row_key, ARRAY['val'], i.clients
-              FROM pgbroker_new n JOIN pgbroker.interest i
-                ON i.watch_id = {watch_ids["bench.watched"]} AND i.row_key = to_jsonb(n.id);
-            RETURN NULL;
-        END $$""")
-    conn.execute(
-        "CREATE TRIGGER proto AFTER UPDATE ON bench.proto REFERENCING NEW TABLE AS pgbroker_new"
-        " FOR EACH STATEMENT EXECUTE FUNCTION bench.proto_trigger()"
-    )
-    # The same rows into the real outbox (the broker drains them as changes of bench.watched), as SECURITY
-    # DEFINER, then the wake-up test of the generated triggers for the fixture's one broker.
-    make_table(conn, "bench.drained", 1000)
-    drain_lock, awake_lock = conn.execute(
-        "SELECT pgbroker._lock_class_drain(), pgbroker._lock_class_awake()"
-    ).fetchone()
-    conn.execute(f"""
-        CREATE FUNCTION bench.drained_trigger() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
-        SET search_path = pg_catalog, pg_temp AS $$
-        DECLARE
-            v_key integer;
-        BEGIN
-            INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
-            SELECT i.name, i.epoch, i.watch_id, 'U', i.row_key, ARRAY['val'], i.clients
-              FROM pgbroker_new n JOIN pgbroker.interest i
-                ON i.watch_id = {watch_ids["bench.watched"]} AND i.row_key = to_jsonb(n.id);
-            IF FOUND THEN
-                SELECT l.lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = '{BROKER}';
-                PERFORM pg_advisory_xact_lock_shared({drain_lock}, v_key);
-                IF pg_try_advisory_lock_shared({awake_lock}, v_key) THEN
-                    PERFORM pg_advisory_unlock_shared({awake_lock}, v_key);
-                    PERFORM pg_notify('pgbroker_wakeup_' || v_key, '{BROKER}');
-                END IF;
-            END IF;
-            RETURN NULL;
-        END $$""")
-    conn.execute(
-        "CREATE TRIGGER drained AFTER UPDATE ON bench.drained REFERENCING NEW TABLE AS pgbroker_new"
-        " FOR EACH STATEMENT EXECUTE FUNCTION bench.drained_trigger()"
-    )
+        t: conn.execute("SELECT pgbroker.watch(%s, mode => %s)", (t, "row" if t.endswith("_row") else "statement"))
+        .fetchone()[0]
+        for t in ("bench.watched", "bench.watched_row", "bench.bulk_sparse", "bench.bulk_sparse_row",
+                  "bench.bulk_dense", "bench.bulk_dense_row", "bench.scale", "bench.huge_sparse")
+    }  # fmt: skip
+    for peer in PEERS.values():
+        conn.execute(peer.setup)
     seconds = register_clients(conn, BROKER, broker.epoch, "c", 0, 999)
-    # bench.watched: client k subscribes to rows (10k + j) % 1000 + 1, j < 10: 10 subscribers per row.
-    subs, sub_seconds = subscribe_all(
-        conn, BROKER, broker.epoch, "bench.watched",
-        "SELECT 'c' || k, mod(k * 10 + j, 1000) + 1 FROM generate_series(%s::int, %s::int) k, generate_series(0, 9) j",
-        split(0, 999, 2),
-    )  # fmt: skip
-    assert subs == 10_000, subs
-    # bench.bulk_sparse: rows 100, 200, ... (1%) one subscriber each; bench.bulk_dense: every row one.
-    sparse, _ = subscribe_all(
-        conn, BROKER, broker.epoch, "bench.bulk_sparse",
-        "SELECT 'c' || mod(r, 1000), r FROM generate_series(%s::int, %s::int) r WHERE mod(r, 100) = 0",
-        [(1, BULK_ROWS)],
-    )  # fmt: skip
-    dense, dense_seconds = subscribe_all(
-        conn, BROKER, broker.epoch, "bench.bulk_dense",
-        "SELECT 'c' || mod(r, 1000), r FROM generate_series(%s::int, %s::int) r",
-        split(1, BULK_ROWS, 2),
-    )  # fmt: skip
-    assert (sparse, dense) == (BULK_ROWS // 100, BULK_ROWS), (sparse, dense)
+    # bench.watched(_row): client k subscribes to rows (10k + j) % 1000 + 1, j < 10: 10 subscribers per row.
+    subs = sub_seconds = 0.0
+    for table in ("bench.watched", "bench.watched_row"):
+        n, elapsed = subscribe_all(
+            conn, BROKER, broker.epoch, table,
+            "SELECT 'c' || k, mod(k * 10 + j, 1000) + 1 FROM generate_series(%s::int, %s::int) k,"
+            " generate_series(0, 9) j",
+            split(0, 999, 2),
+        )  # fmt: skip
+        assert n == 10_000, n
+        subs, sub_seconds = subs + n, sub_seconds + elapsed
+    # bench.bulk_sparse(_row): rows 100, 200, ... (1%) one subscriber each; bench.bulk_dense: every row one.
+    sparse = 0
+    for table in ("bench.bulk_sparse", "bench.bulk_sparse_row"):
+        n, _ = subscribe_all(
+            conn, BROKER, broker.epoch, table,
+            "SELECT 'c' || mod(r, 1000), r FROM generate_series(%s::int, %s::int) r WHERE mod(r, 100) = 0",
+            [(1, BULK_ROWS)],
+        )  # fmt: skip
+        assert n == BULK_ROWS // 100, n
+        sparse += n
+    dense = dense_seconds = 0.0
+    for table in ("bench.bulk_dense", "bench.bulk_dense_row"):
+        n, elapsed = subscribe_all(
+            conn, BROKER, broker.epoch, table,
+            "SELECT 'c' || mod(r, 1000), r FROM generate_series(%s::int, %s::int) r",
+            split(1, BULK_ROWS, 2),
+        )  # fmt: skip
+        assert n == BULK_ROWS, n
+        dense, dense_seconds = dense + n, dense_seconds + elapsed
     huge, _ = subscribe_all(
         conn, BROKER, broker.epoch, "bench.huge_sparse",
         "SELECT 'c' || mod(r, 1000), r FROM generate_series(%s::int, %s::int) r WHERE mod(r, 100) = 0",
@@ -1030,7 +1472,7 @@ def setup_fixture(conn: psycopg.Connection, broker: DrainingBroker) -> tuple[dic
     )  # fmt: skip
     assert huge == HUGE_ROWS // 100, huge
     notes.append(
-        f"set-up: 1,000 clients registered in {seconds:.1f} s; {subs + sparse + dense:,} subscriptions in"
+        f"set-up: 1,000 clients registered in {seconds:.1f} s; {subs + sparse + dense:,.0f} subscriptions in"
         f" {sub_seconds + dense_seconds:.1f} s+"
     )
     conn.execute("VACUUM ANALYZE")
@@ -1063,20 +1505,33 @@ def run(cfg: Settings) -> Results:
             watch_ids, notes = setup_fixture(conn, broker)
             for text in notes:
                 results.note(text)
+            consumers = (
+                {name: peer(url, name) for name, peer in PEERS.items()}
+                if cfg.runs("throughput")
+                else {"peer_c": PEERS["peer_c"](url, "peer_c")}
+                if cfg.runs("guarantees")
+                else {}
+            )
             broker.start()
+            for consumer in consumers.values():
+                consumer.start()
             try:
                 if cfg.runs("throughput"):
-                    bench_throughput(conn, broker, pgbench, cfg, results)
+                    bench_throughput(url, conn, broker, consumers, pgbench, cfg, results)
                 if cfg.runs("bulk"):
                     bench_bulk(conn, broker, watch_ids, cfg, results)
                 if cfg.runs("huge"):
                     bench_huge(conn, broker, cfg, results)
                 if cfg.runs("latency"):
                     bench_latency(url, conn, broker, cfg, results)
+                if cfg.runs("guarantees"):
+                    bench_guarantees(url, conn, broker, consumers["peer_c"], pgbench, cfg, results)
                 if cfg.explain:
                     explain_triggers(conn)
             finally:
                 broker.stop()
+                for consumer in consumers.values():
+                    consumer.stop()
             if cfg.runs("scale"):
                 bench_scale(url, conn, pgbench, cfg, results)
     results.figures["seconds"] = time.monotonic() - started
@@ -1088,7 +1543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, noisier figures)")
     parser.add_argument("--explain", action="store_true", help="also print auto_explain plans of the trigger queries")
     parser.add_argument("--only", action="append", choices=PARTS, default=[],
-                        help="run only this part (repeatable; default: all)")  # fmt: skip
+                        help="run only this part (repeatable; default: all but guarantees)")  # fmt: skip
     args = parser.parse_args(argv)
     cfg = Settings.quick() if args.quick else Settings()
     cfg.explain = args.explain

@@ -15,6 +15,10 @@ floors of its own run), then writes into DIR (default
   column as printed), with the row's target drawn where it is a ratio;
 - ``lock_peers.png``: the lock cycle's throughput ratio of pgbroker and of each
   peer that was installed, side by side, against the same raw floor;
+- ``fanout_designs.png``: pgbroker's statement and row modes beside the
+  designs users write instead (the fan-out benchmark's comparison variants),
+  throughput and CPU per transaction against the same unwatched floor, at 1
+  and 8 writers;
 - ``latencies.png``: the latency percentiles the benchmarks report (takeover
   after SIGKILL, commit-to-handler, release-to-waiter), pgbroker beside its
   floor.  The benchmarks keep percentiles, not raw samples, so no histogram;
@@ -53,6 +57,7 @@ TARGET_RE = re.compile(r"(<=|>=)\s*(\d+(?:\.\d+)?)x")
 MS_RE = re.compile(r"^\s*(\d+(?:\.\d+)?) ms\s*$")
 PCT_RE = re.compile(r"(p\d+|max) (\d+(?:\.\d+)?) ms")
 LOCK_RE = re.compile(r"^(?:lock acquire\+release, (?P<ours>.+)|peer (?P<peer>.+), lock cycles), (?P<procs>\d+) proc$")
+DESIGN_RE = re.compile(r"^(?P<what>UPDATE tps|CPU per transaction), (?P<writers>\d+) writers?: (?P<design>.+)$")
 
 
 class BenchResults(Protocol):
@@ -353,6 +358,54 @@ def plot_lock_peers(sections: Sequence[Section], out: Path) -> Path | None:
     return path
 
 
+def design_rows(sections: Sequence[Section]) -> dict[str, dict[str, dict[int, float]]]:
+    """The fan-out benchmark's designs side by side: {"UPDATE tps" | "CPU per transaction": {design: {writers:
+    ratio to unwatched}}}, in the order the benchmark printed them."""
+    found: dict[str, dict[str, dict[int, float]]] = {"UPDATE tps": {}, "CPU per transaction": {}}
+    rows = [r for s in sections if s.name == "fanout" and s.results is not None for r in s.results.rows]
+    for metric, _ours, _floor, ratio, _target in rows:
+        m, r = DESIGN_RE.match(metric.strip()), RATIO_RE.match(ratio)
+        if m and r:
+            found[m["what"]].setdefault(m["design"], {})[int(m["writers"])] = float(r.group(1))
+    return found
+
+
+def plot_designs(sections: Sequence[Section], out: Path) -> Path | None:
+    """pgbroker's two modes beside the designs users write instead, against the same unwatched floor."""
+    data = design_rows(sections)
+    if not data["UPDATE tps"]:
+        return None
+    plt = _matplotlib()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.9 + 0.55 * len(data["UPDATE tps"])), sharey=True)
+    titles = {
+        "UPDATE tps": "throughput / unwatched (higher is better)",
+        "CPU per transaction": "CPU per transaction / unwatched (lower is better)",
+    }
+    designs = list(data["UPDATE tps"])
+    ys = list(range(len(designs)))[::-1]
+    for ax, (what, per_design) in zip(axes, data.items(), strict=True):
+        writers = sorted({w for d in per_design.values() for w in d})
+        h = 0.8 / max(len(writers), 1)
+        for i, w in enumerate(writers):
+            vs = [per_design.get(d, {}).get(w, 0.0) for d in designs]
+            pos = [y + 0.4 - h * (i + 0.5) for y in ys]
+            bars = ax.barh(pos, vs, height=h, label=f"{w} writer{'s' if w > 1 else ''}")
+            ax.bar_label(bars, labels=[f" {v:.2f}x" for v in vs], fontsize=7)
+        ax.axvline(1.0, color="black", linestyle=":", linewidth=1)
+        ax.set_title(titles[what], fontsize=9)
+        ax.set_xlim(0, max([1.0, *(v for d in per_design.values() for v in d.values())]) * 1.25)
+        ax.legend(fontsize=7)
+    axes[0].set_yticks(ys)
+    axes[0].set_yticklabels(designs, fontsize=7)
+    fig.suptitle("Single-row UPDATEs of a watched table: pgbroker's modes beside the designs users write instead"
+                 " (same run, each with its consumer)", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    path = out / "fanout_designs.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def latency_rows(sections: Sequence[Section]) -> list[tuple[str, float, float]]:
     """(label, pgbroker ms, floor ms) for each latency percentile a benchmark printed."""
     found = []
@@ -450,6 +503,11 @@ def render_plots(sections: Sequence[Section], out: Path) -> tuple[list[Path], li
     path = plot_lock_peers(sections, out)
     if path is None:
         skipped.append("no lock-peers plot: no lock-cycle rows (the primitives benchmark did not run)")
+    else:
+        plots.append(path)
+    path = plot_designs(sections, out)
+    if path is None:
+        skipped.append("no design comparison plot: no throughput rows (the fan-out benchmark's first part did not run)")
     else:
         plots.append(path)
     path = plot_latencies(sections, out)

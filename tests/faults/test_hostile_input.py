@@ -47,7 +47,7 @@ def test_a_forged_notify_causes_only_a_harmless_reread(db_url, connect):
 
 
 @pytest.mark.parametrize("size", [100_000, 5_000_000])
-def test_large_values_in_a_watched_row_never_fail_the_write(connect, size):
+def test_large_values_in_a_watched_row_never_fail_the_write(connect, size, watch_mode):
     """The outbox carries the key and the names of changed columns, never values."""
     broker, writer = connect("broker"), connect("writer")
     broker.execute("SELECT pgbroker.broker_claim()")

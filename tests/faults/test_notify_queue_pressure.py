@@ -54,11 +54,13 @@ def _drain_all(conn: psycopg.Connection) -> list[int]:
     return keys
 
 
-def test_stuck_listener_never_stalls_writers_and_the_broker_catches_up(pg_server, db_name, connect, tmp_path):
+def test_stuck_listener_never_stalls_writers_and_the_broker_catches_up(
+    pg_server, db_name, connect, tmp_path, watch_mode
+):
     url = pg_server.url_for(db_name)
     obs = connect("observer")
     obs.execute(f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY, writer integer NOT NULL)")
-    obs.execute("SELECT pgbroker.watch(%s)", (TABLE,))
+    obs.execute("SELECT pgbroker.watch(%s, mode => %s)", (TABLE, watch_mode))
     history = History(tmp_path / "history")
     rec = history.recorder("broker")
     broker, listener = connect("stuck broker"), connect("stuck listener")

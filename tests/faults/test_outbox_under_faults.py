@@ -47,11 +47,11 @@ def _writer(url: str, recorder: Recorder, number: int, stop: threading.Event) ->
             time.sleep(0.1 if time.monotonic() % 0.25 > 0.15 else 0.001)
 
 
-def test_outbox_loses_nothing_through_faults_that_keep_the_epoch(pg_server, db_name, connect, tmp_path):
+def test_outbox_loses_nothing_through_faults_that_keep_the_epoch(pg_server, db_name, connect, tmp_path, watch_mode):
     url = pg_server.url_for(db_name)
     obs = connect("observer")
     obs.execute(f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY)")
-    obs.execute("SELECT pgbroker.watch(%s)", (TABLE,))
+    obs.execute("SELECT pgbroker.watch(%s, mode => %s)", (TABLE, watch_mode))
     history = History(tmp_path / "history")
     rec = history.recorder("broker")
     delivered: list[int] = []

@@ -124,13 +124,14 @@ class Subscriber:
             reader.close()
 
 
-def test_crash_restart_under_load(server, tmp_path):
+def test_crash_restart_under_load(server, tmp_path, watch_mode):
     admin = server.url
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute("CREATE DATABASE crash")
     url = server.url_for("crash")
     install.migrate(url)
     with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pgbroker.watch(%s, mode => %s)", (TABLE, watch_mode))
         conn.execute(
             f"INSERT INTO {TABLE} (id, name) SELECT g, 'seed' FROM generate_series(1, %s) g",
             (WRITERS * KEYS_PER_WRITER,),
