@@ -77,10 +77,12 @@ def ack(conn: psycopg.Connection, ids: list[int], name: str = "default") -> int:
 
 
 def drain(conn: psycopg.Connection, name: str = "default") -> list[dict]:
-    """Fetch and acknowledge everything pending for lease NAME."""
-    rows = fetch(conn, name)
-    if rows:
-        ack(conn, [r["id"] for r in rows], name)
+    """Fetch and acknowledge everything pending for lease NAME, batch after batch until none is left (a fast
+    server lets a test's writers queue more than one fetch's max_rows)."""
+    rows: list[dict] = []
+    while batch := fetch(conn, name):
+        ack(conn, [r["id"] for r in batch], name)
+        rows += batch
     return rows
 
 
