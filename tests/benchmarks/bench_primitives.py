@@ -273,8 +273,12 @@ def kind_sem_floor(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
 
 
 def kind_counter(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    return _counter_add(url, "c")
+
+
+def _counter_add(url: str, name: str) -> tuple[Cycle, Callable[[], None]]:
     conn = _conn(url)
-    return (lambda: conn.execute("SELECT pgbroker.counter_add('c')", prepare=True).fetchone()), conn.close
+    return (lambda: conn.execute("SELECT pgbroker.counter_add(%s)", (name,), prepare=True).fetchone()), conn.close
 
 
 COUNTER_FLOOR = (
@@ -289,8 +293,12 @@ def kind_counter_floor(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
 
 
 def kind_kv(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    return _kv_cas(url, f"k{idx}")
+
+
+def _kv_cas(url: str, key: str) -> tuple[Cycle, Callable[[], None]]:
+    """Compare-and-set cycles on KEY, by a single writer."""
     conn = _conn(url)
-    key = f"k{idx}"
     version = [conn.execute("SELECT pgbroker.kv_set(%s, '{\"n\": 0}')", (key,)).fetchone()[0]]
     value = psycopg.types.json.Jsonb({"n": 1})
 
@@ -609,22 +617,11 @@ def kind_auth_lock(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
 
 
 def kind_auth_kv(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
-    conn = _conn(url)
-    key = f"svc7/k{idx}"
-    version = [conn.execute("SELECT pgbroker.kv_set(%s, '{\"n\": 0}')", (key,)).fetchone()[0]]
-    value = psycopg.types.json.Jsonb({"n": 1})
-
-    def cycle() -> None:
-        new = conn.execute("SELECT pgbroker.kv_set(%s, %s, %s)", (key, value, version[0]), prepare=True).fetchone()[0]
-        assert new is not None, "compare-and-set failed with a single writer"
-        version[0] = new
-
-    return cycle, conn.close
+    return _kv_cas(url, f"svc7/k{idx}")
 
 
 def kind_auth_counter(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
-    conn = _conn(url)
-    return (lambda: conn.execute("SELECT pgbroker.counter_add('svc7/c')", prepare=True).fetchone()), conn.close
+    return _counter_add(url, "svc7/c")
 
 
 KINDS: dict[str, Callable[[str, int], tuple[Cycle, Callable[[], None]]]] = {
