@@ -7,10 +7,12 @@ applies the migrations and wraps the SQL API for Python callers (see
 pgbroker/README.md).
 """
 
-from pgbroker.broker import AsyncBroker, Broker, Keepalive, Notification
+from pgbroker.broker import AsyncBroker, Broker, Keepalive, Notification, Registration, async_run_broker, run_broker
 from pgbroker.errors import (
+    DriverError,
     InvalidArgument,
     LeaseHeld,
+    LeaseInDoubt,
     LeaseLost,
     NotAcquired,
     NotHolder,
@@ -59,6 +61,11 @@ __all__ = [
     "Broker",
     "Keepalive",
     "Notification",
+    "Registration",
+    "run_broker",
+    "async_run_broker",
+    "DriverError",
+    "LeaseInDoubt",
     "InvalidArgument",
     "LeaseHeld",
     "OwnerMismatch",

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import asyncio  # ASYNC
 import contextlib  # ASYNC
+import dataclasses
 import inspect  # ASYNC
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable  # sync: from collections.abc import Iterable, Iterator
+import uuid
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterable  # noqa: E501  # sync: from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import psycopg
+import psycopg.errors
 import psycopg.sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
@@ -52,11 +56,14 @@ from pgbroker._core import (
     SUBSCRIBE_SQL,
     SWEEP_BATCH,
     SWEEP_SQL,
+    TABLE_KEY_SQL,
     UNREGISTER_SQL,
     UNSUBSCRIBE_SQL,
     WAKE_SQL,
     Notification,
+    Registration,
     _BrokerBase,
+    _clamped_wait,
     _interval,
     _key_param,
     _ms,
@@ -64,11 +71,23 @@ from pgbroker._core import (
     _Waiter,
     batches,
     register_params,
+    rows_query,
     subscribe_params,
 )
-from pgbroker.errors import LeaseLost, PgBrokerError, schema_error
+from pgbroker.errors import (
+    LeaseHeld,
+    LeaseInDoubt,
+    LeaseLost,
+    NotWatched,
+    PgBrokerError,
+    schema_error,
+    wrap_driver_error,
+)
 
-__all__ = ["AsyncBroker"]
+__all__ = ["AsyncBroker", "async_run_broker"]
+
+# Locks that order the registry statements of one client id (attach, unregister with a token), by hash.
+_CLIENT_LOCKS = 64
 
 log = logging.getLogger("pgbroker.broker")
 
@@ -122,6 +141,14 @@ class AsyncBroker(_BrokerBase):
         self._runner = None
         self._sweeper = None
         self._sweep_stop = asyncio.Event()  # sync: self._sweep_stop = threading.Event()
+        self._registry_idle: list[psycopg.AsyncConnection[Any]] = []
+        self._registry_slots = asyncio.Semaphore(max(1, self.registry_connections))
+        self._reader: psycopg.AsyncConnection[Any] | None = None
+        self._reader_lock = asyncio.Lock()
+        self._table_keys: dict[str, tuple[str, str, list[str]]] = {}
+        self._tokens: dict[str, str] = {}  # client id -> the token of its latest attach()
+        self._client_locks = [asyncio.Lock() for _ in range(_CLIENT_LOCKS)]
+        self._listen_retry_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -203,6 +230,12 @@ class AsyncBroker(_BrokerBase):
             await self._stop_heartbeats()  # release() restarts them when it fails
         if self._conn is not None:
             await self._conn.close()
+        idle, self._registry_idle = self._registry_idle, []
+        for conn in idle:
+            await self._close_quietly(conn)
+        if self._reader is not None:
+            await self._close_quietly(self._reader)
+            self._reader = None
         if self._state in ("held", "released", "new"):
             self._state = "closed"
 
@@ -244,11 +277,35 @@ class AsyncBroker(_BrokerBase):
         return rows[0] if rows else None
 
     # -- clients, subscriptions, notifications ---------------------------------
+    #
+    # The registry calls run on registry connections of their own (up to
+    # ``registry_connections`` of them, opened on first use), fenced by the
+    # held epoch (``epoch =>``, checked like broker_assert()), so that a call
+    # that waits (a subscribe waiting for an open writer transaction) never
+    # holds up the heartbeats or the delivery loop, which share the lease
+    # session.  With ``registry_connections=0`` they run on the lease session.
 
     async def register(self, client_id: str, info: Any = None) -> bool:
         """Register a client of this broker (``client_register``); True when it is new."""
         params = {"client_id": client_id, "info": Jsonb(info or {}), "name": self.name}
-        return bool(await self._scalar(REGISTER_SQL, params))
+        return bool(await self._registry_scalar(REGISTER_SQL, params))
+
+    async def attach(self, client_id: str, info: Any = None) -> Registration:
+        """Register ``client_id`` (as :meth:`register`) and return this registration, with a new ``token``.
+
+        Give the token to :meth:`unregister` when the connection it stands
+        for ends: the client is then unregistered only if no later
+        :meth:`attach` of the same id (a reconnect) happened since, so the
+        late clean-up of an old connection cannot undo a newer one.  Calls for
+        one client id are run in the order they are made.  Tokens live in
+        this object (and :func:`async_run_broker` hands them on to the next
+        epoch's broker).
+        """
+        token = uuid.uuid4().hex
+        async with self._client_lock(client_id):
+            self._tokens[client_id] = token
+            await self.register(client_id, info)
+        return Registration(client_id, token)
 
     async def register_many(self, clients: Iterable[str | tuple[str, Any]], *, batch_size: int = 10_000) -> int:
         """Register many clients, ``batch_size`` per statement (``client_register_many``); returns how many were new.
@@ -262,7 +319,7 @@ class AsyncBroker(_BrokerBase):
         """
         new = 0
         for batch in batches(clients, batch_size):
-            new += int(await self._scalar(REGISTER_MANY_SQL, register_params(self.name, batch)))
+            new += int(await self._registry_scalar(REGISTER_MANY_SQL, register_params(self.name, batch)))
         return new
 
     async def subscribe_many(
@@ -280,42 +337,74 @@ class AsyncBroker(_BrokerBase):
         :meth:`subscribe` (no gap: read the rows after this returns).  Returns
         how many subscriptions were new.  Each batch commits on its own: when
         one fails (:class:`UnknownClient`, a bad key; the message names the
-        position in the batch), the batches before it are kept.
+        position in the batch), the batches before it are kept.  ``wait`` is
+        per batch, and never more than the guard has left (see :meth:`subscribe`).
         """
         new = 0
         for batch in batches(subscriptions, batch_size):
-            params = subscribe_params(self.name, table, batch, _interval(wait, "wait"))
-            new += int(await self._scalar(SUBSCRIBE_MANY_SQL, params))
+            params = subscribe_params(self.name, table, batch, None)
+            new += int(await self._registry_scalar(SUBSCRIBE_MANY_SQL, params, wait=wait))
         return new
 
     async def update_client(self, client_id: str, info: Any) -> None:
         """Replace a registered client's info; :class:`UnknownClient` when it is not registered."""
-        await self._execute(CLIENT_UPDATE_SQL, {"client_id": client_id, "info": Jsonb(info or {}), "name": self.name})
+        params = {"client_id": client_id, "info": Jsonb(info or {}), "name": self.name}
+        await self._registry_scalar(CLIENT_UPDATE_SQL, params)
 
-    async def unregister(self, client_id: str) -> bool:
-        """Unregister a client and drop its subscriptions; False when it was not registered."""
-        return bool(await self._scalar(UNREGISTER_SQL, {"client_id": client_id, "name": self.name}))
+    async def unregister(self, client_id: str, *, token: str | None = None) -> bool:
+        """Unregister a client and drop its subscriptions; False when it was not registered.
+
+        ``token`` (of :meth:`attach`): only if that is still the client's
+        latest registration; False, and nothing changes, when a later
+        :meth:`attach` replaced it.
+        """
+        params = {"client_id": client_id, "name": self.name}
+        if token is None:
+            return bool(await self._registry_scalar(UNREGISTER_SQL, params))
+        async with self._client_lock(client_id):
+            if self._tokens.get(client_id) != token:
+                return False
+            removed = bool(await self._registry_scalar(UNREGISTER_SQL, params))
+            if self._tokens.get(client_id) == token:
+                del self._tokens[client_id]
+            return removed
 
     async def subscribe(self, client_id: str, table: str, key: Any = None, *, wait: float = 5.0) -> bool:
         """Subscribe ``client_id`` to the row of ``table`` with primary key ``key`` (None: the whole table).
 
         ``key`` is a scalar for a one-column key, a list in key order for a
         composite one.  Once this returns, every later change is delivered:
-        read the row *after* subscribing.  False when already subscribed.
+        read the row *after* subscribing (:meth:`read_rows`).  False when
+        already subscribed.
+
+        A write transaction left open on ``table`` makes it wait, up to
+        ``wait`` seconds and never longer than the guard has left
+        (:meth:`check`), then :class:`TableBusy`: only this call waits, on a
+        registry connection of its own; heartbeats, delivery and the other
+        clients go on (the writers' changes meanwhile are delivered to
+        whoever is subscribed when they are fetched).
         """
-        params = {
-            "client_id": client_id,
-            "table": table,
-            "key": _key_param(key),
-            "name": self.name,
-            "wait": _interval(wait, "wait"),
-        }
-        return bool(await self._scalar(SUBSCRIBE_SQL, params))
+        params = {"client_id": client_id, "table": table, "key": _key_param(key), "name": self.name}
+        return bool(await self._registry_scalar(SUBSCRIBE_SQL, params, wait=wait))
 
     async def unsubscribe(self, client_id: str, table: str, key: Any = None) -> bool:
         """Drop one subscription; False when there was none."""
         params = {"client_id": client_id, "table": table, "key": _key_param(key), "name": self.name}
-        return bool(await self._scalar(UNSUBSCRIBE_SQL, params))
+        return bool(await self._registry_scalar(UNSUBSCRIBE_SQL, params))
+
+    async def read_rows(self, table: str, keys: list[Any]) -> list[Any]:
+        """The current rows of watched ``table`` with these keys, in order (None where no row has the key).
+
+        One statement on the broker's row-reading connection, the one
+        ``notifications(rows=True)`` reads with, one statement after another:
+        a read that returns later saw every change an earlier one saw.  So a
+        new subscriber's snapshot ordered against the loop's rows is: subscribe,
+        ``read_rows``, and send the snapshot (in asyncio: before the next
+        ``await``) ahead of every row the loop yields from then on; rows the
+        loop yielded before that are older than the snapshot, drop them.
+        Rows are dicts, as ``to_jsonb`` gives them.
+        """
+        return await self._read_rows_for([(table, key) for key in keys])
 
     async def fetch(self, max_rows: int = 1000, *, ack: list[int] | None = None) -> list[Notification]:
         """Pending notifications, oldest first (``outbox_fetch``); they stay until acknowledged.
@@ -336,6 +425,7 @@ class AsyncBroker(_BrokerBase):
         max_rows: int = 1000,
         linger: float = 0.005,
         batch_delay: float = 0.002,
+        rows: bool = False,
     ) -> AsyncIterator[list[Notification]]:
         """Yield batches of notifications for as long as the lease is held.
 
@@ -349,21 +439,43 @@ class AsyncBroker(_BrokerBase):
         than that.  Under load, after a batch smaller than ``max_rows`` it
         waits ``batch_delay`` seconds before fetching again, so that rows
         arrive in fewer, larger batches (fewer round trips and less CPU
-        taken from the writers, for at most that much latency).  Raises
-        :class:`LeaseLost` when the lease is lost.
+        taken from the writers, for at most that much latency).
+
+        ``rows=True``: each notification comes with ``row``, the row as it is
+        now, read by key after the fetch in one statement per batch (None when
+        deleted; see :meth:`read_rows` for a new subscriber's snapshot).
+
+        It heals itself: when its own ``LISTEN`` connection fails (terminated,
+        a network error), it reconnects and goes on, fetching first (the
+        outbox is the source of truth: nothing is lost meanwhile), polling
+        every 50 ms until the connection is back.  While :meth:`check` is in
+        doubt (no heartbeat confirmed for ``guard`` seconds, the loss not
+        known) it waits instead of fetching, and goes on when a heartbeat
+        is confirmed.  It raises only:
+
+        - :class:`LeaseLost` (``final`` True) when the lease is really lost
+          (session gone, released, a newer epoch), ``__cause__`` the error
+          that proved it;
+        - another :class:`PgBrokerError` for any other failure (a row it
+          could not read, an unexpected server error: :class:`DriverError`),
+          ``__cause__`` the driver's error.  The lease may still be held.
         """
         channel = await self._scalar(CHANNEL_SQL, {"name": self.name})
-        listener = await psycopg.AsyncConnection.connect(self.url, **self._connect_params())
+        listener: psycopg.AsyncConnection[Any] | None = None
         try:
-            await listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
+            listener = await self._listen(channel)
             await self._execute(WAKE_SQL, {"name": self.name})
             idle_since: float | None = None
             done: list[int] | None = None  # handled, not yet acknowledged
             while True:
-                self.check()
+                await self._until_held()
+                if listener is None or listener.closed:
+                    listener = await self._listen(channel)
                 batch = await self.fetch(max_rows, ack=done)
                 done = None
                 if batch:
+                    if rows:
+                        batch = await self._with_rows(batch)
                     yield batch
                     done = [n.id for n in batch]
                     idle_since = None
@@ -379,12 +491,164 @@ class AsyncBroker(_BrokerBase):
                 state = await self._scalar(SLEEP_SQL, {"name": self.name})
                 if state != "pending":
                     timeout = poll_interval if state == "asleep" else min(poll_interval, 0.05)
-                    async for _ in listener.notifies(timeout=min(timeout, self.guard / 2), stop_after=1):
-                        pass
+                    timeout = min(timeout, self.guard / 2)
+                    if listener is None:
+                        await asyncio.sleep(min(timeout, 0.05))
+                    else:
+                        try:
+                            async for _ in listener.notifies(timeout=timeout, stop_after=1):
+                                pass
+                        except psycopg.Error as exc:
+                            log.warning("the LISTEN connection of %r failed (reconnecting): %s", self, exc)
+                            await self._close_quietly(listener)
+                            listener = None
                     await self._execute(WAKE_SQL, {"name": self.name})
                 idle_since = None
         finally:
-            await listener.close()
+            if listener is not None:
+                await self._close_quietly(listener)
+
+    # -- registry connections, the row reader, the listener --------------------
+
+    def _client_lock(self, client_id: str) -> Any:
+        return self._client_locks[zlib.crc32(client_id.encode()) % _CLIENT_LOCKS]
+
+    async def _registry_scalar(self, query: str, params: dict[str, Any], *, wait: Any = None) -> Any:
+        """Run one registry statement (see above) and return its scalar; ``wait`` (seconds) for the table lock."""
+        if self.registry_connections == 0:
+            if "wait" in query:
+                params["wait"] = _interval(wait, "wait")
+            return await self._scalar(query, {**params, "epoch": None})
+        left = self.check()  # LeaseLost, LeaseInDoubt
+        if "wait" in query:
+            params["wait"] = _clamped_wait(wait, left)
+        params["epoch"] = self.epoch
+        conn = await self._registry_take()
+        reuse = False
+        try:
+            cur = await conn.execute(query, params)
+            row = await cur.fetchone()
+            reuse = True
+        except psycopg.Error as exc:
+            reuse = not conn.broken
+            error = self._classify_registry(exc)
+            if isinstance(error, LeaseLost):
+                await self._fire_on_lost()
+            raise error from exc
+        finally:
+            await self._registry_give(conn, reuse)
+        assert row is not None
+        return row[0]
+
+    async def _registry_take(self) -> psycopg.AsyncConnection[Any]:
+        await self._registry_slots.acquire()
+        try:
+            if self._registry_idle:
+                return self._registry_idle.pop()
+            conn = await psycopg.AsyncConnection.connect(self.url, **self._connect_params())
+            try:
+                await conn.execute(SESSION_SQL, self._session_params())
+            except BaseException:
+                await conn.close()
+                raise
+            return conn
+        except psycopg.Error as exc:
+            self._registry_slots.release()
+            raise wrap_driver_error(exc) from exc
+        except BaseException:
+            self._registry_slots.release()
+            raise
+
+    async def _registry_give(self, conn: psycopg.AsyncConnection[Any], reuse: bool) -> None:
+        try:
+            if reuse and not conn.closed and self._state == "held":
+                self._registry_idle.append(conn)
+            else:
+                await self._close_quietly(conn)
+        finally:
+            self._registry_slots.release()
+
+    async def _read_rows_for(self, pairs: list[tuple[str, Any]]) -> list[Any]:
+        """The current row for each ``(table, key)`` (None for a key None or no such row), in one statement."""
+        out: list[Any] = [None] * len(pairs)
+        groups: dict[str, list[int]] = {}
+        for i, (table, key) in enumerate(pairs):
+            if key is not None:
+                groups.setdefault(table, []).append(i)
+        if not groups:
+            return out
+        async with self._reader_lock:
+            conn = self._reader
+            try:
+                if conn is None or conn.closed:
+                    conn = self._reader = await psycopg.AsyncConnection.connect(self.url, **self._connect_params())
+                parts = []
+                for table in groups:
+                    if table not in self._table_keys:
+                        cur = await conn.execute(TABLE_KEY_SQL, {"table": table})
+                        found = await cur.fetchone()
+                        if found is None:
+                            raise NotWatched(f"table {table} is not watched: its rows cannot be read by key")
+                        self._table_keys[table] = (found[0], found[1], list(found[2]))
+                    parts.append(self._table_keys[table])
+                positions = list(groups.values())
+                params = {f"k{g}": Jsonb([pairs[i][1] for i in idx]) for g, idx in enumerate(positions)}
+                cur = await conn.execute(rows_query(parts), params)
+                for g, i, row in await cur.fetchall():
+                    out[positions[g][i - 1]] = row
+            except psycopg.Error as exc:
+                self._table_keys.clear()  # a table watched again may have another key
+                if conn is not None and conn.broken:
+                    await self._close_quietly(conn)
+                    self._reader = None
+                raise wrap_driver_error(exc) from exc
+        return out
+
+    async def _with_rows(self, batch: list[Notification]) -> list[Notification]:
+        found = await self._read_rows_for([(n.table, None if n.op == "T" else n.key) for n in batch])
+        return [dataclasses.replace(n, row=row) for n, row in zip(batch, found, strict=True)]
+
+    async def _listen(self, channel: str) -> psycopg.AsyncConnection[Any] | None:
+        """A new connection that LISTENs on ``channel``, or None (logged) when that fails; at most one try per 0.5 s."""
+        now = time.monotonic()
+        if now < self._listen_retry_at:
+            return None
+        self._listen_retry_at = now + 0.5
+        conn = None
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.url, **self._connect_params())
+            await conn.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
+        except psycopg.Error as exc:
+            log.warning("%r could not LISTEN (polling meanwhile): %s", self, exc)
+            if conn is not None:
+                await self._close_quietly(conn)
+            return None
+        return conn
+
+    async def _close_quietly(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        try:
+            await conn.close()
+        except (psycopg.Error, OSError) as exc:
+            log.debug("closing a connection of %r failed: %s", self, exc)
+
+    async def _until_held(self) -> None:
+        """Return while :meth:`check` passes; wait while it is in doubt; raise :class:`LeaseLost` once lost.
+
+        In doubt for longer than the server needs to end a silent session
+        (plus ``keepalive.user_timeout``, in which a stuck heartbeat fails),
+        the lease is taken as lost.
+        """
+        while True:
+            try:
+                self.check()
+                return
+            except LeaseInDoubt as doubt:
+                age = time.monotonic() - self._last_ok
+                if age > self.keepalive.server_bound + self.keepalive.user_timeout + 1.0:
+                    lost = self._mark_lost(f"no heartbeat confirmed for {age:.2f} s", None, doubt)
+                    await self._fire_on_lost()
+                    raise lost from doubt
+            await asyncio.sleep(min(0.05, self.heartbeat_interval / 4))
 
     # -- plumbing --------------------------------------------------------------
 
@@ -559,3 +823,122 @@ class AsyncBroker(_BrokerBase):
             else:
                 self._last_ok, self._heartbeat_at = last_attempt, result[0][0]
             next_due = time.monotonic() + self.heartbeat_interval
+
+
+# Errors of a claim that a leadership loop waits out and tries again: no server (yet), a server that is
+# not the primary (25006 read_only_sql_transaction: a replica, after a failover), one shutting down.
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, psycopg.OperationalError | psycopg.errors.ReadOnlySqlTransaction):
+        return True
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    return sqlstate.startswith(("08", "57P")) or sqlstate == "25006"
+
+
+async def _call(callback: Callable[..., Any] | None, *args: Any) -> None:
+    if callback is None:
+        return
+    result = callback(*args)  # sync: callback(*args)
+    if inspect.isawaitable(result):  # ASYNC
+        await result  # ASYNC
+
+
+def _setter(event: Any) -> Callable[[LeaseLost], None]:
+    """An ``on_lost`` that sets ``event``."""
+    return lambda exc: event.set()
+
+
+async def async_run_broker(
+    url: str,
+    name: str = "default",
+    *,
+    on_start: Callable[[AsyncBroker], Any],
+    on_waiting: Callable[[LeaseHeld], Any] | None = None,
+    on_lost: Callable[[LeaseLost], Any] | None = None,
+    clients: Callable[[], dict[str, Iterable[tuple[str, Any]]]] | None = None,
+    report_interval: float = 1.0,
+    retry_delay: float = 0.5,
+    max_terms: int | None = None,
+    **broker_args: Any,
+) -> None:
+    """Lead lease ``name`` whenever this process can: wait, claim, serve, and after a loss wait and claim again.
+
+    Each *term*: an :class:`AsyncBroker` claims, waiting ``report_interval``
+    seconds at a time and calling ``on_waiting(held)`` after each wait with the
+    :class:`LeaseHeld` that names the holder (``pid``, ``application``,
+    ``info``, ``epoch``, ``since``); it takes over the moment the holder's
+    session ends.  Once it holds the lease it re-registers the clients
+    ``clients()`` returns (a dict: client id -> its ``(table, key)``
+    subscriptions) with ``register_many`` and subscribes them with
+    ``subscribe_many`` (one statement per table and 10,000), then calls
+    ``on_start(broker)``: serve, with ``broker.epoch`` the epoch this term
+    serves (its ``notifications()`` raise :class:`LeaseLost` when it ends).
+    When the lease is lost (``on_start`` raises :class:`LeaseLost`, or, in
+    the asyncio flavour, the broker learns it lost the lease: ``on_start`` is
+    then cancelled), ``on_lost(exc)`` is called, the broker closed, and after
+    ``retry_delay`` seconds the next term begins.  When ``on_start`` returns,
+    the lease is released and this returns.
+
+    No server, a server that is not the primary (25006, as a replica is
+    after a failover) or one shutting down: logged, and tried again after
+    ``retry_delay``; with a multi-host URL (``host=h1,h2`` or
+    ``postgresql://u@h1:p1,h2:p2/db?target_session_attrs=read-write``) libpq
+    finds the new primary.  Other errors (a missing schema, a refused
+    privilege, a bug in ``on_start``) are raised.  ``max_terms``: stop after
+    that many terms (None: never).  ``broker_args`` go to :class:`AsyncBroker`
+    (``heartbeat_interval``, ``dead_man``, ``stale_after`` ...; not ``wait``
+    nor ``on_lost``).  Callbacks may be coroutine functions in the asyncio
+    flavour.  Tokens of :meth:`AsyncBroker.attach` carry over from one term
+    to the next.
+    """
+    tokens: dict[str, str] = {}
+    terms = 0
+    while max_terms is None or terms < max_terms:
+        lost_now = asyncio.Event()  # ASYNC
+        broker_args["on_lost"] = _setter(lost_now)  # ASYNC
+        broker = AsyncBroker(url, name, wait=report_interval, **broker_args)
+        broker._tokens = tokens
+        try:
+            await broker.claim()
+        except LeaseHeld as held:
+            await broker.close()
+            await _call(on_waiting, held)
+            continue
+        except Exception as exc:
+            await broker.close()
+            if not _retryable(exc) and not _retryable(exc.__cause__ or exc):
+                raise
+            log.warning("lease %r: cannot claim now (retrying in %g s): %s", name, retry_delay, exc)
+            await asyncio.sleep(retry_delay)
+            continue
+        terms += 1
+        log.info("lease %r: holding epoch %d", name, broker.epoch)
+        try:
+            if clients is not None:
+                wanted = clients()
+                await broker.register_many(wanted)
+                by_table: dict[str, list[tuple[str, Any]]] = {}
+                for client_id, subscriptions in wanted.items():
+                    for table, key in subscriptions:
+                        by_table.setdefault(table, []).append((client_id, key))
+                for table, pairs in by_table.items():
+                    await broker.subscribe_many(pairs, table)
+            if True:  # ASYNC
+                serving = asyncio.ensure_future(_call(on_start, broker))
+                watcher = asyncio.ensure_future(lost_now.wait())
+                await asyncio.wait({serving, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                watcher.cancel()
+                if not serving.done():
+                    serving.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, LeaseLost):
+                        await serving
+                    raise broker.lost_reason or LeaseLost(f'lease "{name}" lost')
+                serving.result()
+            else:
+                _call(on_start, broker)
+            return
+        except LeaseLost as exc:
+            log.warning("lease %r: epoch %d ended: %s", name, broker.epoch, exc)
+            await _call(on_lost, exc)
+        finally:
+            await broker.close()
+        await asyncio.sleep(retry_delay)

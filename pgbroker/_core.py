@@ -24,16 +24,19 @@ from datetime import timedelta
 from typing import Any, NoReturn
 
 import psycopg
+import psycopg.sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from pgbroker.errors import (
+    LeaseInDoubt,
     LeaseLost,
     PgBrokerError,
     PoolerNotSupported,
     is_session_lost,
     schema_mismatch,
     translate,
+    wrap_driver_error,
 )
 from pgbroker.install import SCHEMA_VERSION, libpq_url
 
@@ -62,7 +65,13 @@ ASSERT_SQL = "SELECT pgbroker.broker_assert(name => %(name)s, epoch => %(epoch)s
 STATE_SET_SQL = "SELECT pgbroker.broker_state_set(name => %(name)s, key => %(key)s, value => %(value)s)"
 STATE_DELETE_SQL = "SELECT pgbroker.broker_state_delete(name => %(name)s, key => %(key)s)"
 STATUS_SQL = "SELECT * FROM pgbroker.brokers WHERE name = %(name)s"
-REGISTER_SQL = "SELECT pgbroker.client_register(client_id => %(client_id)s, info => %(info)s, name => %(name)s)"
+# The registry calls all pass ``epoch``: NULL on the broker's own session (it
+# holds the lease), the held epoch on the registry connections (checked as
+# broker_assert() checks it: PB002 once the epoch is over).
+REGISTER_SQL = (
+    "SELECT pgbroker.client_register(client_id => %(client_id)s, info => %(info)s, name => %(name)s,"
+    " epoch => %(epoch)s)"
+)
 # The set-based calls take their arrays in the cheapest forms to send: the
 # ids as a binary text[], the infos and keys as one JSON document each, made
 # into a jsonb[] by the server (a list of Jsonb costs a json.dumps per item:
@@ -70,23 +79,25 @@ REGISTER_SQL = "SELECT pgbroker.client_register(client_id => %(client_id)s, info
 REGISTER_MANY_SQL = (
     "SELECT pgbroker.client_register_many(client_ids => %(client_ids)b::text[],"
     " infos => ARRAY(SELECT e FROM pg_catalog.jsonb_array_elements(%(infos)s::jsonb) WITH ORDINALITY AS t(e, i)"
-    " ORDER BY i), name => %(name)s)"
+    " ORDER BY i), name => %(name)s, epoch => %(epoch)s)"
 )
-CLIENT_UPDATE_SQL = "SELECT pgbroker.client_update(client_id => %(client_id)s, info => %(info)s, name => %(name)s)"
-UNREGISTER_SQL = "SELECT pgbroker.client_unregister(client_id => %(client_id)s, name => %(name)s)"
+CLIENT_UPDATE_SQL = (
+    "SELECT pgbroker.client_update(client_id => %(client_id)s, info => %(info)s, name => %(name)s, epoch => %(epoch)s)"
+)
+UNREGISTER_SQL = "SELECT pgbroker.client_unregister(client_id => %(client_id)s, name => %(name)s, epoch => %(epoch)s)"
 SUBSCRIBE_SQL = (
     'SELECT pgbroker.subscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, key => %(key)s,'
-    " name => %(name)s, wait => %(wait)s)"
+    " name => %(name)s, epoch => %(epoch)s, wait => %(wait)s)"
 )
 SUBSCRIBE_MANY_SQL = (
     'SELECT pgbroker.subscribe_many(client_ids => %(client_ids)b::text[], "table" => %(table)s::regclass,'
     " keys => ARRAY(SELECT e FROM pg_catalog.jsonb_array_elements(%(keys)s::jsonb) WITH ORDINALITY AS t(e, i)"
-    " ORDER BY i), name => %(name)s, wait => %(wait)s)"
+    " ORDER BY i), name => %(name)s, epoch => %(epoch)s, wait => %(wait)s)"
 )
 SWEEP_SQL = "SELECT pgbroker.broker_sweep(name => %(name)s, max_rows => %(max_rows)s)"
 UNSUBSCRIBE_SQL = (
     'SELECT pgbroker.unsubscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, key => %(key)s,'
-    " name => %(name)s)"
+    " name => %(name)s, epoch => %(epoch)s)"
 )
 FETCH_SQL = (
     'SELECT id, "table", op, key, changed, clients, at FROM pgbroker.outbox_fetch(%(name)s, %(max_rows)s, %(ack)s)'
@@ -100,6 +111,57 @@ HISTORY_SQL = """\
 SELECT * FROM pgbroker.lease_history
  WHERE (%(name)s::text IS NULL OR name = %(name)s::text) AND id > %(after_id)s
  ORDER BY id"""
+
+# A watched table's name and key columns, for reading its rows by key
+# (rows_query); %(table)s is the "table" text of an outbox row (qualified).
+TABLE_KEY_SQL = """\
+SELECT n.nspname, c.relname, w.key_columns::text[]
+  FROM pgbroker.watched_tables w
+  JOIN pg_catalog.pg_class c ON c.oid = w."table"
+  JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+ WHERE w."table" = %(table)s::regclass"""
+
+
+def rows_query(tables: list[tuple[str, str, list[str]]]) -> psycopg.sql.Composed:
+    """One statement that reads, for each ``(schema, table, key_columns)``, the rows whose keys are in its parameter.
+
+    Parameter ``k<g>`` of part ``g`` is a JSON array of keys as the outbox
+    encodes them (a scalar, or an array in key order); each key is cast to
+    the columns' types by ``jsonb_populate_record`` on the table's own row
+    type, so the join is an index probe per key.  Returns ``(g, i, row)``:
+    ``i`` the key's position (from 1), ``row`` the row as ``jsonb`` or NULL
+    when no row has that key.
+    """
+    parts = []
+    for g, (schema, table, columns) in enumerate(tables):
+        ident = psycopg.sql.Identifier(schema, table)
+        if len(columns) == 1:
+            fields = [psycopg.sql.SQL("{}, k.key").format(psycopg.sql.Literal(columns[0]))]
+        else:
+            fields = [
+                psycopg.sql.SQL("{}, k.key -> {}").format(psycopg.sql.Literal(c), psycopg.sql.Literal(i))
+                for i, c in enumerate(columns)
+            ]
+        join = psycopg.sql.SQL(" AND ").join(
+            psycopg.sql.SQL("t.{c} = r.{c}").format(c=psycopg.sql.Identifier(c)) for c in columns
+        )
+        parts.append(
+            psycopg.sql.SQL(
+                "SELECT {g}::integer, k.i, pg_catalog.to_jsonb(t)"
+                " FROM pg_catalog.jsonb_array_elements({param}::jsonb) WITH ORDINALITY AS k(key, i)"
+                " CROSS JOIN LATERAL pg_catalog.jsonb_populate_record(NULL::{tbl},"
+                " pg_catalog.jsonb_build_object({fields})) AS r"
+                " LEFT JOIN {tbl} AS t ON {join}"
+            ).format(
+                g=psycopg.sql.Literal(g),
+                param=psycopg.sql.Placeholder(f"k{g}"),
+                tbl=ident,
+                fields=psycopg.sql.SQL(", ").join(fields),
+                join=join,
+            )
+        )
+    return psycopg.sql.SQL(" UNION ALL ").join(parts)
+
 
 # Pause between two heartbeats triggered by unsolicited data on the socket
 # (NOTICEs, NOTIFYs), so that a stream of them cannot turn into a busy loop.
@@ -220,7 +282,17 @@ class Notification:
     key; None for a truncate); ``changed`` the names of the changed columns
     (updates only); ``clients`` the client ids to tell (never empty; it may
     name a client unregistered a moment ago: skip ids you no longer know).
-    The row's values are not carried: read the row.
+    ``at`` (a timezone-aware datetime) is when the *writer's statement*
+    started (``statement_timestamp()`` in the writing session), not its
+    commit: changes of one transaction share their statement's ``at``, and
+    ``at`` of later rows can be earlier than that of earlier ones.  ``id``
+    grows; for any one row in commit order.
+
+    The row's values are not carried: read the row, or ask
+    ``notifications(rows=True)`` for ``row``: the row as it is now (a dict of
+    its columns, as ``to_jsonb`` gives them), read by key after the fetch,
+    or None when no row has that key any more (deleted; always None for a
+    truncate, and without ``rows=True``).
     """
 
     id: int
@@ -230,6 +302,20 @@ class Notification:
     changed: list[str] | None
     clients: list[str]
     at: Any
+    row: Any = None
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One registration of a client, made by ``attach()``.
+
+    ``token`` names this registration: ``unregister(client_id, token=token)``
+    removes the client only while this is still its latest registration, so
+    the late clean-up of an old connection cannot undo a newer one.
+    """
+
+    client_id: str
+    token: str
 
 
 def _key_param(key: Any) -> Jsonb | None:
@@ -246,6 +332,13 @@ def _interval(seconds: float | timedelta | None, what: str) -> timedelta | None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise TypeError(f"{what} must be seconds (a number), a timedelta or None, not {seconds!r}")
     return timedelta(seconds=seconds)
+
+
+def _clamped_wait(wait: float | timedelta | None, left: float) -> timedelta:
+    """A registry call's ``wait`` (seconds, a timedelta or None: as long as allowed), never more than ``left``."""
+    asked = _interval(wait, "wait")
+    limit = timedelta(seconds=max(0.0, left))
+    return limit if asked is None or asked > limit else asked
 
 
 def _raise_translated(exc: psycopg.Error, new: Exception | None = None) -> NoReturn:
@@ -314,6 +407,7 @@ class _BrokerBase(abc.ABC):
         application_name: str = "pgbroker",
         connect_timeout: int = 10,
         sweep: bool = True,
+        registry_connections: int = 4,
     ):
         self.url = libpq_url(url)
         self.name = name
@@ -333,6 +427,9 @@ class _BrokerBase(abc.ABC):
         self.application_name = application_name
         self.connect_timeout = connect_timeout
         self.sweep = sweep
+        if type(registry_connections) is not int or registry_connections < 0:
+            raise ValueError(f"registry_connections must be a whole number >= 0, not {registry_connections!r}")
+        self.registry_connections = registry_connections
 
         if dead_man is not None and dead_man <= 0:
             raise ValueError(f"dead_man must be positive seconds, not {dead_man!r}")
@@ -403,9 +500,10 @@ class _BrokerBase(abc.ABC):
     def check(self) -> float:
         """Raise :class:`LeaseLost` unless this broker may still act as the holder.
 
-        Raises when the lease was lost or released, and when no heartbeat was
-        confirmed for ``guard`` seconds (not sticky: a later good heartbeat
-        clears it).  Returns the seconds left before the guard runs out; keep
+        Raises :class:`LeaseLost` (``final`` True) when the lease was lost or
+        released, and its subclass :class:`LeaseInDoubt` (``final`` False)
+        when no heartbeat was confirmed for ``guard`` seconds (not sticky: a
+        later good heartbeat clears it).  Returns the seconds left before the guard runs out; keep
         each action shorter than that.  No I/O: call it as often as you like.
         """
         if self._lost is not None:
@@ -414,7 +512,7 @@ class _BrokerBase(abc.ABC):
             raise LeaseLost(f'lease "{self.name}" is not held by this broker (it is {self._state})')
         age = time.monotonic() - self._last_ok
         if age >= self.guard:
-            raise LeaseLost(
+            raise LeaseInDoubt(
                 f'lease "{self.name}" (epoch {self._epoch}): no heartbeat confirmed for {age:.2f} s '
                 f"(guard {self.guard:g} s); the server may free the lock soon, stop acting"
             )
@@ -456,7 +554,26 @@ class _BrokerBase(abc.ABC):
         """The exception to raise for a failed statement; marks the broker lost when it is."""
         if self._state == "held" and is_session_lost(conn, exc):
             return self._mark_lost(f"{exc}".strip(), getattr(exc, "sqlstate", None), exc)
-        return translate(exc)
+        if self._lost is not None and is_session_lost(conn, exc):
+            error = LeaseLost(str(self._lost), sqlstate=self._lost.sqlstate)
+            error.__cause__ = exc
+            return error
+        return wrap_driver_error(exc)
+
+    def _classify_registry(self, exc: psycopg.Error) -> Exception:
+        """The exception for a failed call on a registry connection (fenced by ``epoch``, not the lease session).
+
+        PB002 (the epoch is over: a newer one exists, or its holder's session
+        is gone) is the final loss of the lease; a lost registry connection
+        is not (the lease session is another one): :class:`DriverError`.
+        """
+        if getattr(exc, "sqlstate", None) == "PB002":
+            if self._state == "held":
+                return self._mark_lost(f"{exc}".strip(), "PB002", exc)
+            error = LeaseLost(str(self._lost or exc), sqlstate="PB002")
+            error.__cause__ = exc
+            return error
+        return wrap_driver_error(exc)
 
     def _check_session(self, login_pid: int, pids: list[int]) -> None:
         """Refuse a connection that does not keep its server session (a pooler; see ``pooler_verdict``).

@@ -46,6 +46,8 @@ RENAMES: list[tuple[str, str]] = [
     (r"\basync (def|with|for) ", r"\1 "),
     (r"\bawait ", ""),
     (r"\basyncio\.Lock\b", "threading.Lock"),
+    (r"\basyncio\.Semaphore\b", "threading.Semaphore"),
+    (r"\basync_run_broker\b", "run_broker"),
     (r"\basyncio\.sleep\b", "time.sleep"),
     (r"\b_broker_async\b", "_broker_sync"),
 ]

@@ -87,9 +87,19 @@ without I/O (the statements, settings and their checks, the lease's state,
 
 from __future__ import annotations
 
-from pgbroker._broker_async import AsyncBroker
-from pgbroker._broker_sync import Broker
+from pgbroker._broker_async import AsyncBroker, async_run_broker
+from pgbroker._broker_sync import Broker, run_broker
 from pgbroker._core import ASSERT_SQL as ASSERT_SQL  # re-exported: the demo fences a write with it
-from pgbroker._core import Keepalive, Notification, lease_history, list_brokers
+from pgbroker._core import Keepalive, Notification, Registration, lease_history, list_brokers
 
-__all__ = ["AsyncBroker", "Broker", "Keepalive", "Notification", "list_brokers", "lease_history"]
+__all__ = [
+    "AsyncBroker",
+    "Broker",
+    "Keepalive",
+    "Notification",
+    "Registration",
+    "async_run_broker",
+    "run_broker",
+    "list_brokers",
+    "lease_history",
+]

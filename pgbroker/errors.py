@@ -28,6 +28,8 @@ __all__ = [
     "NotHolder",
     "StaleEpoch",
     "LeaseLost",
+    "LeaseInDoubt",
+    "DriverError",
     "PermissionDenied",
     "InvalidArgument",
     "UnknownClient",
@@ -108,7 +110,39 @@ class StaleEpoch(PgBrokerError):
 
 
 class LeaseLost(PgBrokerError):
-    """The Python Broker lost its lease (connection lost, backend terminated, heartbeat failed)."""
+    """The Python Broker lost its lease (connection lost, backend terminated, heartbeat failed).
+
+    Two kinds, told apart by ``final`` (and by the subclass :class:`LeaseInDoubt`):
+
+    - ``final`` True (this class): the lease is gone for this broker object, for
+      good: its session ended, the server said it does not hold the lease, a
+      newer epoch exists, or it was released.  ``__cause__`` is the driver or
+      server error that proved it, when there was one.  Create a new broker
+      (or let :func:`pgbroker.run_broker` do it) to claim again.
+    - ``final`` False (:class:`LeaseInDoubt`): no heartbeat was confirmed for
+      ``guard`` seconds, so the server *may* free the lock soon; the lease is
+      not known to be lost.  Stop acting as the holder until a later heartbeat
+      is confirmed (``check()`` then passes again) or the loss becomes final.
+    """
+
+    final: bool = True
+
+
+class LeaseInDoubt(LeaseLost):
+    """``check()`` found no heartbeat confirmed for ``guard`` seconds: the lease may be lost, it is not known to be.
+
+    Not sticky: a later confirmed heartbeat clears it.  ``final`` is False.
+    """
+
+    final = False
+
+
+class DriverError(PgBrokerError):
+    """A driver or server error with no pgbroker meaning of its own (a network failure, a server restart, a
+    statement cancelled...), raised where pgbroker promises nothing but :class:`PgBrokerError`s.
+
+    ``__cause__`` is the psycopg error; ``sqlstate`` its code (None for a client-side failure).
+    """
 
 
 class PermissionDenied(PgBrokerError):
@@ -226,6 +260,22 @@ def translate(exc: psycopg.Error) -> Exception:
     new = cls(diag.message_primary or str(exc), sqlstate=sqlstate, detail=diag.message_detail, hint=diag.message_hint)
     new.__cause__ = exc
     return new
+
+
+def wrap_driver_error(exc: psycopg.Error) -> PgBrokerError:
+    """:func:`translate`, with an error that has no pgbroker class wrapped in a :class:`DriverError` (chained)."""
+    new = translate(exc)
+    if isinstance(new, PgBrokerError):
+        return new
+    diag = getattr(exc, "diag", None)
+    wrapped = DriverError(
+        str(exc).strip() or type(exc).__name__,
+        sqlstate=getattr(exc, "sqlstate", None),
+        detail=getattr(diag, "message_detail", None),
+        hint=getattr(diag, "message_hint", None),
+    )
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 def is_session_lost(conn: psycopg.BaseConnection[Any], exc: psycopg.Error) -> bool:
