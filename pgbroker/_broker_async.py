@@ -45,6 +45,7 @@ from pgbroker._core import (
     HEARTBEAT_SQL,
     REGISTER_MANY_SQL,
     REGISTER_SQL,
+    REGISTRY_SESSION_SQL,
     RELEASE_SQL,
     SCHEMA_VERSION_SQL,
     SESSION_SQL,
@@ -548,6 +549,7 @@ class AsyncBroker(_BrokerBase):
             conn = await psycopg.AsyncConnection.connect(self.url, **self._connect_params())
             try:
                 await conn.execute(SESSION_SQL, self._session_params())
+                await conn.execute(REGISTRY_SESSION_SQL)
             except BaseException:
                 await conn.close()
                 raise

@@ -32,6 +32,7 @@ from pgbroker._core import (
     HEARTBEAT_SQL,
     REGISTER_MANY_SQL,
     REGISTER_SQL,
+    REGISTRY_SESSION_SQL,
     RELEASE_SQL,
     SCHEMA_VERSION_SQL,
     SESSION_SQL,
@@ -535,6 +536,7 @@ class Broker(_BrokerBase):
             conn = psycopg.Connection.connect(self.url, **self._connect_params())
             try:
                 conn.execute(SESSION_SQL, self._session_params())
+                conn.execute(REGISTRY_SESSION_SQL)
             except BaseException:
                 conn.close()
                 raise
