@@ -15,11 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from docs_util import REPO, code_blocks, section
 
 websockets = pytest.importorskip("websockets")
 from websockets.asyncio.client import connect as ws_connect  # noqa: E402
@@ -124,9 +126,12 @@ def _version(name: str | None) -> int:
     return int(name[1:]) if name and name.startswith("v") else 0
 
 
-def test_the_server_code_fits_in_a_page():
-    lines = Path(websocket_broker.__file__).read_text().splitlines()
-    assert len(lines) < SERVER_CODE_LIMIT, len(lines)
+def test_the_server_code_fits_in_a_page_and_the_readme_shows_its_own_code():
+    source = Path(websocket_broker.__file__).read_text()
+    assert len(source.splitlines()) < SERVER_CODE_LIMIT, len(source.splitlines())
+    readme = section((REPO / "pgbroker" / "README.md").read_text(), "## A websocket broker in a page")
+    (shown,) = code_blocks(readme, "python")
+    assert textwrap.indent(shown, "    ") in source
 
 
 def test_fifty_clients_across_a_kill_9_takeover(db_url, connect):
