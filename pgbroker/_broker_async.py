@@ -116,6 +116,13 @@ class AsyncBroker(_BrokerBase):
     (``broker_sweep``), on a connection of its own, in batches that take at
     most about half of one CPU, until nothing is left (they are invisible
     from the claim on; this only frees their space).
+    ``registry_connections``: the registry calls (register, attach,
+    subscribe, their ``_many`` forms, update_client, unregister,
+    unsubscribe) run on up to this many connections of their own, opened on
+    first use and fenced by the held epoch, so that a call that waits never
+    holds up the heartbeats or the delivery loop; 0 runs them on the broker
+    connection.  Rows (:meth:`read_rows`, ``notifications(rows=True)``) are
+    read on one more connection, and :meth:`notifications` listens on one.
 
     The connection must reach a real session (direct, or a pooler in session
     mode): the lease is a session-level advisory lock.
@@ -636,21 +643,27 @@ class AsyncBroker(_BrokerBase):
     async def _until_held(self) -> None:
         """Return while :meth:`check` passes; wait while it is in doubt; raise :class:`LeaseLost` once lost.
 
-        In doubt for longer than the server needs to end a silent session
-        (plus ``keepalive.user_timeout``, in which a stuck heartbeat fails),
-        the lease is taken as lost.
+        The heartbeat runner ends the doubt either way (a confirmed heartbeat,
+        or a failed one that proves the loss); only if it is gone (a bug: it
+        logged why) is the lease taken as lost.
         """
         while True:
             try:
                 self.check()
                 return
             except LeaseInDoubt as doubt:
-                age = time.monotonic() - self._last_ok
-                if age > self.keepalive.server_bound + self.keepalive.user_timeout + 1.0:
-                    lost = self._mark_lost(f"no heartbeat confirmed for {age:.2f} s", None, doubt)
+                if not self._runner_alive():
+                    lost = self._mark_lost("in doubt, and the heartbeat runner stopped", None, doubt)
                     await self._fire_on_lost()
                     raise lost from doubt
             await asyncio.sleep(min(0.05, self.heartbeat_interval / 4))
+
+    def _runner_alive(self) -> bool:
+        runner = self._runner
+        if True:  # ASYNC
+            return runner is not None and not runner.done()
+        else:
+            return runner is not None and runner.is_alive()
 
     # -- plumbing --------------------------------------------------------------
 
@@ -927,12 +940,15 @@ async def async_run_broker(
             if True:  # ASYNC
                 serving = asyncio.ensure_future(_call(on_start, broker))
                 watcher = asyncio.ensure_future(lost_now.wait())
-                await asyncio.wait({serving, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                watcher.cancel()
-                if not serving.done():
-                    serving.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, LeaseLost):
-                        await serving
+                try:
+                    await asyncio.wait({serving, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                finally:  # also when this task is cancelled: the serving task goes with it
+                    watcher.cancel()
+                    if not serving.done():
+                        serving.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, LeaseLost):
+                            await serving
+                if serving.cancelled():
                     raise broker.lost_reason or LeaseLost(f'lease "{name}" lost')
                 serving.result()
             else:

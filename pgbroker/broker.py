@@ -68,12 +68,21 @@ action stops acting in bounded time.  The lease can change hands in two ways:
    or the holder's session is gone, and it blocks a concurrent claim until
    the fenced transaction ends.
 
-Thread safety: one lock serialises every use of the connection, so the
+While no heartbeat has been confirmed for ``guard`` seconds and the loss is
+not known, :meth:`check` raises :class:`~pgbroker.errors.LeaseInDoubt`, the
+subclass of ``LeaseLost`` whose ``final`` is False (not sticky); every other
+``LeaseLost`` is final.
+
+Thread safety: one lock serialises every use of the lease connection, so the
 heartbeat thread and any number of caller threads may share a :class:`Broker`.
-The client-registry, subscription and delivery methods go through
-:meth:`Broker._execute` / :meth:`AsyncBroker._execute` too, which do the
-locking, the loss detection and the error translation;
-:meth:`Broker.notifications` listens on a second connection of its own.
+The delivery methods go through :meth:`Broker._execute` /
+:meth:`AsyncBroker._execute`, which do the locking, the loss detection and the
+error translation.  The client-registry and subscription methods run on
+registry connections of their own, fenced by the epoch (``registry_connections``),
+so that a subscribe waiting for a writer never holds up the heartbeats;
+:meth:`Broker.notifications` listens on a connection of its own too, and reads
+rows (``rows=True``, :meth:`Broker.read_rows`) on another.
+:func:`run_broker` / :func:`async_run_broker` claim, serve and claim again.
 
 Where the code is
 -----------------
