@@ -1,19 +1,28 @@
-"""The broker loop of sql/README.md ("The loop from any language"), run by psql
-alone (one psql session claims, LISTENs and drains the outbox turn after turn while an
-application writes) and by Node.js with the pg package (skipped, saying why, where node or pg
-is not installed)."""
+"""The broker loop of sql/README.md ("The loop from any language") in four languages: psql alone
+(one psql session claims, LISTENs and drains the outbox turn after turn while an application writes),
+Node.js with the pg package (the README's block), Go with lib/pq and Java with PgJDBC (the programs in
+tests/other_languages/).  Where a toolchain is missing the test says why and skips; in CI (CI=true,
+where .ci/run installs them all) that is a failure."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import select
 import shutil
+import signal
 import subprocess
+import threading
 import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 from docs_util import REPO, code_blocks, section
+from lease_util import wait_until
 
 from pgbroker._embedded import psql_path
 
@@ -112,6 +121,135 @@ def test_the_readme_broker_loop_runs_in_psql_alone(db_url, connect):
     assert obs.execute("SELECT alive FROM pgbroker.brokers WHERE name = 'psql-broker'").fetchone()[0] is False
 
 
+def _skip(reason: str) -> None:
+    """Skip, saying why; in CI (CI=true, where .ci/run installs every toolchain) that is a failure."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run this broker loop: {reason}")
+    print(f"skipped: {reason}")
+    pytest.skip(reason)
+
+
+class Program:
+    """A broker program run as a child process: its stdout, one JSON object a line, read by a thread."""
+
+    def __init__(self, argv: list[str], *, env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[dict[str, Any]] = []
+        self.changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(json.loads(line))
+                self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def first(self, key: str, timeout: float = 60) -> dict[str, Any]:
+        """The first line with ``key``, waiting for it."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                found = [line for line in self.lines if key in line]
+                if found:
+                    return found[0]
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self.reader.is_alive()):
+                    raise AssertionError(f"{self.argv[0]} printed no {key!r} line: {self.lines[-5:]} {self.stderr()}")
+                self.changed.wait(min(left, 0.2))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The notifications it printed so far."""
+        with self.changed:
+            return [line for line in self.lines if "op" in line]
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None or self.proc.stderr is None:
+            return ""
+        return self.proc.stderr.read()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=30)
+        self.reader.join(10)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        return code
+
+
+ISOLATIONS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
+
+
+def write_at_every_isolation_level(
+    connect: Any, subscribed: list[int], others: list[int], seconds: float = 3.0
+) -> Counter:
+    """Three writers, one per isolation level, each committing UPDATEs of a subscribed row of initech.objects
+    with a row nobody is subscribed to, as an application writes them; the committed changes per key."""
+    committed: Counter = Counter()
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def write(n: int) -> None:
+        rnd = random.Random(n)
+        try:
+            with connect(f"writer {n}", autocommit=False) as conn:
+                while time.monotonic() < stop:
+                    keys = sorted({rnd.choice(subscribed), rnd.choice(others)})
+                    try:
+                        conn.execute(f"BEGIN ISOLATION LEVEL {ISOLATIONS[n % 3]}")
+                        conn.execute("UPDATE initech.objects SET name = random()::text WHERE id = ANY (%s)", [keys])
+                        conn.commit()
+                    except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
+                        conn.rollback()
+                        continue
+                    with lock:
+                        committed.update(keys)
+                    time.sleep(rnd.random() * 0.004)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert all(committed[k] for k in subscribed), committed
+    return committed
+
+
+def assert_every_pair_told(program: Program, subscribers: dict[int, set[str]], committed: Counter) -> None:
+    """Every committed change of a subscribed row reached each of its subscribers once, and nobody else."""
+
+    def told() -> Counter:
+        pairs: Counter = Counter()
+        for row in program.rows():
+            for client in row["clients"]:
+                pairs[(row["key"], client)] += 1
+        return pairs
+
+    deadline = time.monotonic() + 30
+    while any(told()[(k, c)] < committed[k] for k, cs in subscribers.items() for c in cs):
+        if time.monotonic() > deadline or program.proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    rows = program.rows()
+    bad = [row for row in rows if not row["clients"] or row["key"] not in subscribers]
+    assert bad == [], f"{len(bad)} rows without clients or for rows nobody is subscribed to, e.g. {bad[:5]}"
+    pairs = told()
+    missing = {(k, c): committed[k] - pairs[(k, c)] for k, cs in subscribers.items() for c in cs}
+    assert all(v == 0 for v in missing.values()), f"(change, client) pairs missing (or doubled, < 0): {missing}"
+    strays = {pair for pair in pairs if pair[1] not in subscribers.get(pair[0], ())}
+    assert strays == set(), f"clients told of rows they are not subscribed to: {strays}"
+
+
 NODE = shutil.which("node")
 
 
@@ -121,47 +259,89 @@ def readme_node_broker() -> str:
     return block
 
 
-def _skip(reason: str) -> None:
-    """Skip, saying why; in CI (CI=true, where .ci/run installs node and pg) that is a failure."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must run the Node.js broker loop: {reason}")
-    print(f"skipped: {reason}")
-    pytest.skip(reason)
-
-
-def test_the_readme_broker_loop_runs_in_node(db_url, connect, tmp_path):
+def node_broker(db_url: str, tmp_path: Path, *args: str) -> Program:
     if NODE is None:
         _skip("node is not installed (Debian: apt-get install nodejs), so the Node.js broker loop is not run")
-    env = dict(os.environ)
-    found = subprocess.run([NODE, "-e", "require.resolve('pg')"], env=env, capture_output=True, timeout=60)
+    found = subprocess.run([NODE, "-e", "require.resolve('pg')"], capture_output=True, timeout=60)
     if found.returncode != 0:
         _skip("node's pg package is not installed (npm install pg, and NODE_PATH=<its node_modules>)")
     script = tmp_path / "broker.js"
     script.write_text(readme_node_broker())
-    proc = subprocess.Popen([NODE, str(script), db_url, "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
+    return Program([NODE, str(script), db_url, *args])
+
+
+def test_the_readme_broker_loop_runs_in_node(db_url, connect, tmp_path):
+    app = connect("app")
+    app.execute("INSERT INTO initech.objects (id, name) VALUES (9, 'nine')")  # nobody subscribes to it
+    broker = node_broker(db_url, tmp_path, "60")
     try:
-        ready = json.loads(proc.stdout.readline() or "null")
-        assert ready is not None and ready["ready"] is True, proc.stderr.read()
+        ready = broker.first("ready")
         obs = connect("obs")
         row = obs.execute("SELECT epoch, holder_application, alive FROM pgbroker.brokers WHERE name = 'node-broker'")
         assert row.fetchone() == (ready["epoch"], "node-broker", True)
 
-        app = connect("app")
         app.execute("INSERT INTO initech.objects (id, name) VALUES (7, 'seven'), (8, 'eight')")
         app.execute("UPDATE initech.objects SET name = 'new' WHERE id = 7")
         app.execute("DELETE FROM initech.objects WHERE id = 8")
-        delivered = [json.loads(proc.stdout.readline()) for _ in range(2)]
-        assert delivered == [{"op": "I", "key": 7}, {"op": "U", "key": 7}]
+        wait_until(lambda: len(broker.rows()) >= 2, timeout=30, what="the Node.js broker's first two rows")
+        assert broker.rows() == [{"op": "I", "key": 7, "clients": ["c1"]}, {"op": "U", "key": 7, "clients": ["c1"]}]
+
+        # Writers at every isolation level: every change of row 7 reaches c1, none of row 9 is fetched.
+        committed = write_at_every_isolation_level(connect, [7], [9])
+        committed[7] += 2  # the INSERT and the UPDATE above
+        assert_every_pair_told(broker, {7: {"c1"}}, committed)
 
         # The broker acknowledges with its next fetch: the outbox empties.
-        deadline = time.monotonic() + 10
-        while obs.execute("SELECT count(*) FROM pgbroker.outbox_pending WHERE name = 'node-broker'").fetchone()[0]:
-            assert time.monotonic() < deadline, "the Node.js broker did not acknowledge its batch"
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read()
+        wait_until(
+            lambda: (
+                obs.execute("SELECT count(*) FROM pgbroker.outbox_pending WHERE name = 'node-broker'").fetchone()
+                == (0,)
+            ),
+            timeout=10,
+            what="the Node.js broker to acknowledge its batch",
+        )
+        assert broker.proc.poll() is None, broker.stderr()
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc.stdout.close()
-        proc.stderr.close()
+        broker.stop()
+
+
+def test_the_node_loop_keeps_a_wakeup_that_arrives_while_it_sweeps(db_url, connect, tmp_path):
+    """A NOTIFY that reaches the Node.js broker between its broker_sleep and its wait (here: while its
+    broker_sweep is held up) still wakes it: with a 60 s poll interval the row arrives at once."""
+    broker = node_broker(db_url, tmp_path, "90", "60000")
+    try:
+        broker.first("ready")
+        obs, app = connect("obs"), connect("app")
+        # Asleep: it has called broker_sleep, and waits for a NOTIFY.
+        wait_until(
+            lambda: (
+                obs.execute(
+                    "SELECT state = 'idle' AND query LIKE '%broker_sweep%' FROM pg_stat_activity"
+                    " WHERE application_name = 'node-broker'"
+                ).fetchone()
+                == (True,)
+            ),
+            timeout=30,
+            what="the Node.js broker asleep",
+        )
+        blocker = connect("blocker", autocommit=False)
+        blocker.execute("LOCK TABLE pgbroker.state IN ACCESS EXCLUSIVE MODE")  # its next sweep waits here
+        app.execute("INSERT INTO initech.objects (id, name) VALUES (7, 'seven')")  # wakes it: it sweeps
+        wait_until(
+            lambda: (
+                obs.execute(
+                    "SELECT wait_event_type = 'Lock' AND query LIKE '%broker_sweep%' FROM pg_stat_activity"
+                    " WHERE application_name = 'node-broker'"
+                ).fetchone()
+                == (True,)
+            ),
+            timeout=30,
+            what="the Node.js broker's sweep to wait for the lock",
+        )
+        app.execute("UPDATE initech.objects SET name = 'new' WHERE id = 7")  # notifies, during the sweep
+        time.sleep(0.2)
+        blocker.rollback()
+        wait_until(lambda: len(broker.rows()) >= 2, timeout=20, what="the change notified during the sweep")
+        assert [(r["op"], r["key"]) for r in broker.rows()] == [("I", 7), ("U", 7)]
+    finally:
+        broker.stop()
