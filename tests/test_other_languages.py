@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 from docs_util import REPO, code_blocks, section
+from fanout_util import seed_objects
 from lease_util import wait_until
 
 from pgbroker._embedded import psql_path
@@ -136,6 +137,7 @@ class Program:
         self.argv = argv
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[dict[str, Any]] = []
+        self.err: str | None = None
         self.changed = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -168,15 +170,18 @@ class Program:
             return [line for line in self.lines if "op" in line]
 
     def stderr(self) -> str:
-        if self.proc.poll() is None or self.proc.stderr is None:
-            return ""
-        return self.proc.stderr.read()
+        """What it printed on stderr, once it has ended."""
+        if self.err is None and self.proc.poll() is not None and self.proc.stderr is not None:
+            self.err = self.proc.stderr.read()
+        return self.err or ""
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
+    def stop(self, sig: int | None = signal.SIGTERM) -> int:
+        """Its exit code, once it has ended: sent ``sig`` if still running (None: let it end by itself)."""
+        if sig is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=30)
+        code = self.proc.wait(timeout=60)
         self.reader.join(10)
+        self.stderr()
         for pipe in (self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 pipe.close()
@@ -345,3 +350,113 @@ def test_the_node_loop_keeps_a_wakeup_that_arrives_while_it_sweeps(db_url, conne
         assert [(r["op"], r["key"]) for r in broker.rows()] == [("I", 7), ("U", 7)]
     finally:
         broker.stop()
+
+
+PROGRAMS = REPO / "tests" / "other_languages"
+GOPATH = Path("/usr/share/gocode")  # Debian's golang-github-lib-pq-dev
+PGJDBC = Path("/usr/share/java/postgresql.jar")  # Debian's libpostgresql-jdbc-java
+
+
+class Built:
+    """A broker program, built: its command line and the URL form its driver takes."""
+
+    def __init__(self, language: str, argv: list[str]) -> None:
+        self.language, self.argv = language, argv
+
+    def url(self, pg_server: Any, db_name: str) -> str:
+        host, port = pg_server.host, pg_server.port
+        if self.language == "go":  # lib/pq asks for TLS unless told otherwise, unlike libpq
+            return f"postgresql://postgres@{host}:{port}/{db_name}?sslmode=disable"
+        return f"jdbc:postgresql://{host}:{port}/{db_name}?user=postgres"
+
+    def start(self, pg_server: Any, db_name: str, *args: str) -> Program:
+        return Program([*self.argv, self.url(pg_server, db_name), *args])
+
+
+@pytest.fixture(scope="module", params=["go", "java"])
+def program(request, tmp_path_factory) -> Built:
+    """The Go and the Java broker programs of tests/other_languages/, built once per module, offline."""
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "go":
+        go = shutil.which("go")
+        if go is None or not (GOPATH / "src/github.com/lib/pq").is_dir():
+            _skip("go or lib/pq is not installed (Debian: apt-get install golang-go golang-github-lib-pq-dev)")
+        # GOPATH mode on Debian's packaged sources: nothing is downloaded.
+        env = {**os.environ, "GO111MODULE": "off", "GOPATH": str(GOPATH), "GOCACHE": str(out / "cache"), "GOFLAGS": ""}
+        binary = out / "broker"
+        subprocess.run([go, "build", "-o", str(binary), str(PROGRAMS / "broker.go")], env=env, check=True, timeout=600)
+        return Built("go", [str(binary)])
+    java, javac = shutil.which("java"), shutil.which("javac")
+    if java is None or javac is None or not PGJDBC.is_file():
+        _skip("javac or PgJDBC is not installed (Debian: apt-get install default-jdk-headless libpostgresql-jdbc-java)")
+    subprocess.run([javac, "-d", str(out), "-cp", str(PGJDBC), str(PROGRAMS / "Broker.java")], check=True, timeout=600)
+    return Built("java", [java, "-cp", f"{out}:{PGJDBC}", "Broker"])
+
+
+def test_a_broker_in_go_and_java_claims_refuses_drains_and_takes_over(program, pg_server, db_name, connect):
+    """The program claims; a second instance is refused (55P03, naming the first); against writers of every
+    isolation level it tells every subscribed client of every committed change and nobody else; a standby
+    that waits takes over once the first is SIGKILLed, and delivers."""
+    admin = connect("admin")
+    seed_objects(admin, range(1, 9))
+    subscribers = {1: {"a"}, 2: {"a", "b"}, 3: {"b"}, 4: {"c"}}  # rows 5 to 8: nobody
+    subs = [f"{c}={k}" for k, cs in subscribers.items() for c in sorted(cs)]
+    first = program.start(pg_server, db_name, "lang-broker", "0", "300", *subs)
+    standby: Program | None = None
+    try:
+        ready = first.first("ready")
+        row = admin.execute("SELECT epoch, holder_pid, alive FROM pgbroker.brokers WHERE name = 'lang-broker'")
+        assert row.fetchone() == (ready["epoch"], ready["pid"], True)
+
+        second = program.start(pg_server, db_name, "lang-broker", "0", "10", *subs)
+        refused = second.first("refused")
+        assert second.stop(None) == 3
+        assert refused["refused"] == "55P03" and refused["holder"]["pid"] == ready["pid"], refused
+
+        committed = write_at_every_isolation_level(connect, list(subscribers), [5, 6, 7, 8])
+        assert_every_pair_told(first, subscribers, committed)
+        assert admin.execute("SELECT count(*) FROM pgbroker.outbox WHERE name = 'lang-broker'").fetchone() == (0,)
+
+        standby = program.start(pg_server, db_name, "lang-broker", "60 s", "300", *subs)
+        wait_until(
+            lambda: admin.execute("SELECT waiting FROM pgbroker.brokers WHERE name = 'lang-broker'").fetchone()[0],
+            timeout=60,
+            what="the standby to wait for the lease",
+        )
+        killed = time.monotonic()
+        first.stop(signal.SIGKILL)
+        took = standby.first("ready")
+        print(f"{program.language}: took over {1000 * (time.monotonic() - killed):.0f} ms after the SIGKILL")
+        assert took["epoch"] > ready["epoch"]
+        row = admin.execute("SELECT epoch, holder_pid, alive FROM pgbroker.brokers WHERE name = 'lang-broker'")
+        assert row.fetchone() == (took["epoch"], took["pid"], True)
+        admin.execute("UPDATE initech.objects SET name = 'after' WHERE id IN (4, 5)")
+        wait_until(standby.rows, timeout=30, what="the new broker's first row")
+        assert [(r["op"], r["key"], r["clients"]) for r in standby.rows()] == [("U", 4, ["c"])]
+    finally:
+        first.stop(signal.SIGKILL)
+        if standby is not None:
+            standby.stop()
+
+
+def test_the_primitives_from_go_and_java(program, pg_server, db_name, connect):
+    """A lock, a key-value compare-and-set (won, then lost), a counter and a rate limit, and a bad argument
+    caught by its SQLSTATE; what they did is in the database."""
+    done = program.start(pg_server, db_name, "primitives")
+    result = done.first("bad")
+    assert done.stop(None) == 0, done.stderr()
+    first, second, third_won = result["kv"]
+    assert result["lock"] == [True, True]
+    assert second > first and third_won is False
+    assert result["counter"] == 5 and result["rate_limit"] == [True, 1] and result["bad"] == "22023"
+    obs = connect("obs")
+    assert obs.execute("SELECT value, version FROM pgbroker.kv_get('lang/key')").fetchone() == ({"n": 2}, second)
+    assert obs.execute("SELECT pgbroker.counter_get('lang/counter')").fetchone() == (5,)
+    row = obs.execute("SELECT allowed, denied FROM pgbroker.rate_limits WHERE name = 'lang/rate'").fetchone()
+    assert row == (1, 0)
+    assert obs.execute("SELECT count(*) FROM pgbroker.locks WHERE name = 'lang/lock'").fetchone() == (0,)
+    if program.language == "java":
+        # PgJDBC sends a String as varchar: uncast, kv_set's jsonb is not found (42883) though pgbroker is installed.
+        assert result["uncast"] == "42883"
+        assert result["installed"] == obs.execute("SELECT pgbroker.schema_version()").fetchone()[0]
+        assert obs.execute("SELECT count(*) FROM pgbroker.kv WHERE key = 'lang/other'").fetchone() == (0,)

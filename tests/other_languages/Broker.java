@@ -137,9 +137,19 @@ public class Broker {
             bad = e.getSQLState(); // 22023 invalid_parameter_value: a rate must be positive
         }
         if (!"22023".equals(bad)) throw new SQLException("a rate of 0 should fail with 22023, got " + bad);
+        // Without its cast, the jsonb parameter goes as varchar and no kv_set takes that: 42883, though
+        // pgbroker is installed, as schema_version() (no parameters) shows.  That is how to tell the two apart.
+        String uncast = null;
+        try {
+            one(db, "SELECT pgbroker.kv_set(?, ?)", "lang/other", "{}");
+        } catch (SQLException e) {
+            uncast = e.getSQLState();
+        }
+        String installed = one(db, "SELECT pgbroker.schema_version()").getString(1);
         System.out.println("{\"lock\": [" + locked + ", " + unlocked + "], \"kv\": [" + first + ", " + second + ", "
             + thirdWon + "], \"counter\": " + counter + ", \"rate_limit\": [" + rate.getBoolean(1) + ", "
-            + rate.getInt(2) + "], \"bad\": " + quote(bad) + "}");
+            + rate.getInt(2) + "], \"bad\": " + quote(bad) + ", \"uncast\": " + quote(uncast) + ", \"installed\": "
+            + quote(installed) + "}");
     }
 
     // Run a statement with these parameters; its result set, on its first row.
