@@ -109,17 +109,36 @@ def test_the_readme_broker_loop_runs_in_psql_alone(db_url, connect):
 
         psql.send(turn)
         lines = psql.read_until("sleep: ")
-        assert "batch: I 7; U 7" in lines and lines[-1] == "sleep: asleep", lines
+        assert "batch: I 7 {c1}; U 7 {c1}" in lines and lines[-1] == "sleep: asleep", lines
         assert obs.execute("SELECT count(*) FROM pgbroker.outbox_pending WHERE name = 'psql-broker'").fetchone()[0] == 0
 
         psql.send(turn)
         lines = psql.read_until("sleep: ")
         assert "batch: " in lines and lines[-1] == "sleep: asleep", lines
+
+        # Writers at every isolation level, the turns fed back to back: every change of row 7 reaches c1.
+        app.execute("INSERT INTO initech.objects (id, name) VALUES (9, 'nine')")  # nobody subscribes to it
+        told: list[str] = []
+        committed: Counter = Counter()
+        writers = threading.Thread(target=lambda: committed.update(write_at_every_isolation_level(connect, [7], [9])))
+        writers.start()
+        deadline = time.monotonic() + 120
+        while writers.is_alive() or told[-1:] != ["batch: "]:
+            assert time.monotonic() < deadline, "psql did not drain the outbox"
+            psql.send(turn)
+            told += [line for line in psql.read_until("sleep: ") if line.startswith("batch: ")]
+        writers.join()
+        rows = [row for line in told for row in line.removeprefix("batch: ").split("; ") if row]
+        assert committed[7] > 0 and rows == ["U 7 {c1}"] * committed[7], (committed, Counter(rows))
     finally:
         code = psql.close()
     assert code == 0
-    # The session ended: so did the lease.
-    assert obs.execute("SELECT alive FROM pgbroker.brokers WHERE name = 'psql-broker'").fetchone()[0] is False
+    # The session ended: so did the lease (once the server has seen it end).
+    wait_until(
+        lambda: obs.execute("SELECT alive FROM pgbroker.brokers WHERE name = 'psql-broker'").fetchone() == (False,),
+        timeout=30,
+        what="the psql session's lease to end with it",
+    )
 
 
 def _skip(reason: str) -> None:
