@@ -6,9 +6,11 @@ where .ci/run installs them all) that is a failure."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -25,6 +27,7 @@ from docs_util import REPO, code_blocks, section
 from fanout_util import seed_objects
 from lease_util import wait_until
 
+from pgbroker import AsyncBroker, Broker
 from pgbroker._embedded import psql_path
 
 SQL_README = REPO / "sql" / "README.md"
@@ -479,3 +482,81 @@ def test_the_primitives_from_go_and_java(program, pg_server, db_name, connect):
         assert result["uncast"] == "42883"
         assert result["installed"] == obs.execute("SELECT pgbroker.schema_version()").fetchone()[0]
         assert obs.execute("SELECT count(*) FROM pgbroker.kv WHERE key = 'lang/other'").fetchone() == (0,)
+
+
+def test_every_loop_runs_the_python_brokers_constants(connect):
+    """sql/README.md's loop, the Node.js block and the Go and Java programs use the constants the Python
+    Broker.notifications() runs with: when one changes, this says which text to change with it."""
+    params = inspect.signature(Broker.notifications).parameters
+    assert inspect.signature(AsyncBroker.notifications).parameters.keys() == params.keys()
+    source = inspect.getsource(AsyncBroker.notifications)
+    python = {
+        "max_rows": params["max_rows"].default,
+        "batch_delay": round(params["batch_delay"].default * 1000),
+        "linger": round(params["linger"].default * 1000),
+        "linger_step": 1 if "min(0.001, linger)" in source else None,
+        "busy": 50 if "min(poll_interval, 0.05)" in source else None,
+        "poll": round(params["poll_interval"].default * 1000),
+    }
+    assert python == {"max_rows": 1000, "batch_delay": 2, "linger": 5, "linger_step": 1, "busy": 50, "poll": 1000}
+    sleep_args = connect("obs").execute("SELECT pg_get_function_arguments('pgbroker.broker_sleep'::regproc)")
+    assert "'00:00:00.02'::interval" in sleep_args.fetchone()[0]  # the loop's "its wait: 20 ms"
+
+    readme = section(SQL_README.read_text(), "### The loop, exactly")
+    (loop,) = code_blocks(readme, "text")
+    for text in (
+        f"outbox_fetch(name, {python['max_rows']}, ack => ack)",
+        f"if fewer than {python['max_rows']} rows: pause {python['batch_delay']} ms",
+        f"< {python['linger']} ms: pause {python['linger_step']} ms",
+        "its wait: 20 ms",
+        f"at most {python['poll'] // 1000} s ('asleep') or {python['busy']} ms ('busy')",
+    ):
+        assert text in loop, f"sql/README.md's loop should say {text!r}"
+
+    def numbers(text: str, pattern: str) -> dict[str, int]:
+        return {name.lower(): int(value) for name, value in re.findall(pattern, text)}
+
+    node = numbers(readme_node_broker(), r"\b([A-Z_]+) = (\d+)")
+    node["poll"] = int(re.search(r"Number\(process\.argv\[4\] \|\| (\d+)\)", readme_node_broker()).group(1))
+    go = numbers((PROGRAMS / "broker.go").read_text(), r"\b(\w+)\s+= (\d+)(?: \* time\.Millisecond)?\b")
+    java = numbers((PROGRAMS / "Broker.java").read_text(), r"\b([A-Z_]+) = (\d+)")
+    for language, found, names in (
+        (
+            "Node.js",
+            node,
+            {
+                "max_rows": "max_rows",
+                "batch_delay": "batch_delay",
+                "linger": "linger",
+                "linger_step": "linger_step",
+                "busy": "busy_wait",
+                "poll": "poll",
+            },
+        ),
+        (
+            "Go",
+            go,
+            {
+                "max_rows": "maxrows",
+                "batch_delay": "batchdelay",
+                "linger": "linger",
+                "linger_step": "lingerstep",
+                "busy": "busywait",
+                "poll": "pollwait",
+            },
+        ),
+        (
+            "Java",
+            java,
+            {
+                "max_rows": "max_rows",
+                "batch_delay": "batch_delay",
+                "linger": "linger",
+                "linger_step": "linger_step",
+                "busy": "busy_wait",
+                "poll": "poll_wait",
+            },
+        ),
+    ):
+        got = {ours: found.get(theirs) for ours, theirs in names.items()}
+        assert got == {ours: python[ours] for ours in names}, f"the {language} loop's constants: {got}"

@@ -31,12 +31,12 @@ import (
 // The loop's constants, as sql/README.md gives them.
 const (
 	maxRows    = 1000
-	linger     = 5 * time.Millisecond  // keep fetching this long once the outbox is empty ...
-	lingerStep = 1 * time.Millisecond  // ... pausing this long between fetches
-	batchDelay = 2 * time.Millisecond  // pause after a batch smaller than maxRows
-	busyWait   = 50 * time.Millisecond // wait after broker_sleep said 'busy'
-	pollWait   = time.Second           // longest wait after 'asleep': bounds a missed NOTIFY
-	heartbeat  = time.Second           // broker_heartbeat, for peers that claim with stale_after
+	linger     = 5 * time.Millisecond    // keep fetching this long once the outbox is empty ...
+	lingerStep = 1 * time.Millisecond    // ... pausing this long between fetches
+	batchDelay = 2 * time.Millisecond    // pause after a batch smaller than maxRows
+	busyWait   = 50 * time.Millisecond   // wait after broker_sleep said 'busy'
+	pollWait   = 1000 * time.Millisecond // longest wait after 'asleep': bounds a missed NOTIFY
+	heartbeat  = 1000 * time.Millisecond // broker_heartbeat, for peers that claim with stale_after
 )
 
 func emit(v map[string]any) {
