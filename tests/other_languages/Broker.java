@@ -72,15 +72,14 @@ public class Broker {
         one(db, "SELECT pgbroker.broker_wake(?)", name);
         List<Long> ack = new ArrayList<>(); // the previous batch, acknowledged by the next fetch
         long idleSince = -1, lastBeat = System.currentTimeMillis();
+        PreparedStatement fetch = db.prepareStatement("SELECT id, op, key, clients FROM pgbroker.outbox_fetch(?, ?, ack => ?)");
+        fetch.setString(1, name);
+        fetch.setInt(2, MAX_ROWS);
         for (long until = System.currentTimeMillis() + runMillis; System.currentTimeMillis() < until; ) {
             if (System.currentTimeMillis() - lastBeat >= HEARTBEAT) {
                 one(db, "SELECT pgbroker.broker_heartbeat(?)", name);
                 lastBeat = System.currentTimeMillis();
             }
-            PreparedStatement fetch = db.prepareStatement(
-                "SELECT id, op, key, clients FROM pgbroker.outbox_fetch(?, ?, ack => ?)");
-            fetch.setString(1, name);
-            fetch.setInt(2, MAX_ROWS);
             fetch.setArray(3, db.createArrayOf("bigint", ack.toArray()));
             ack.clear();
             try (ResultSet rs = fetch.executeQuery()) { // PB001 or a broken connection: the lease is gone
@@ -94,7 +93,6 @@ public class Broker {
                     ack.add(rs.getLong("id"));
                 }
             }
-            fetch.close();
             if (!ack.isEmpty()) {
                 idleSince = -1;
                 if (ack.size() < MAX_ROWS) Thread.sleep(BATCH_DELAY);
