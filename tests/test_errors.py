@@ -237,6 +237,26 @@ def test_schema_without_the_version_function_is_schema_missing(empty_db):
     assert info.value.sqlstate == "42883" and "pgbroker migrate" in str(info.value)
 
 
+def test_a_call_with_mistyped_arguments_is_not_schema_missing(connect, empty_db):
+    """42883 also means "no signature takes these types" (PgJDBC's varchar for a jsonb): never SchemaMissing,
+    and the catalog tells the two apart, as sql/README.md ("SQLSTATEs") says."""
+    conn = connect("typed")
+    mistyped = server_error(conn, "SELECT pgbroker.kv_set('k'::varchar, '{}'::varchar)")
+    assert mistyped.sqlstate == "42883"
+    assert translate(mistyped) is mistyped  # psycopg's UndefinedFunction, untranslated
+    assert conn.execute(
+        "SELECT pgbroker.schema_version() IS NOT NULL, to_regproc('pgbroker.kv_set') IS NOT NULL"
+    ).fetchone() == (True, True)
+    assert conn.execute("SELECT count(*) FROM pgbroker.kv").fetchone() == (0,)
+    with psycopg.connect(empty_db, autocommit=True) as bare:
+        missing = server_error(bare, "SELECT pgbroker.schema_version()")
+        assert bare.execute("SELECT to_regnamespace('pgbroker'), to_regproc('pgbroker.kv_set')").fetchone() == (
+            None,
+            None,
+        )
+    assert type(errors.schema_error(missing, "empty")) is SchemaMissing
+
+
 def test_other_schema_version_is_schema_mismatch(empty_db):
     with psycopg.connect(empty_db, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA pgbroker")

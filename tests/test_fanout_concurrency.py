@@ -3,6 +3,7 @@ outbox row with a real consumer loop, and a server crash (UNLOGGED outbox)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -413,3 +414,168 @@ def test_fetch_floor_never_passes_a_row_still_in_flight(connect, watch_mode):
 
     slow.commit()
     assert {r["key"] for r in fetch(consumer)} == {1000}
+
+
+ISOLATIONS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
+
+
+@pytest.mark.slow
+def test_every_isolation_level_tells_every_subscribed_client_and_nobody_else(connect, watch_mode):
+    """Writers at READ COMMITTED, REPEATABLE READ and SERIALIZABLE at once, against a broker fetching with ack in
+    a tight loop: every row fetched names its clients (never NULL, never empty), no row is fetched for a row of
+    the table nobody is subscribed to, and every committed change reaches each of its subscribers exactly once.
+    (REPEATABLE READ and SERIALIZABLE writers leave their rows' clients to the fetch: 600_triggers.sql.)"""
+    admin, broker = connect("admin"), connect("broker")
+    admin.execute("CREATE TABLE public.iso_t (id bigint PRIMARY KEY, v bigint NOT NULL DEFAULT 0)")
+    admin.execute("INSERT INTO public.iso_t (id) SELECT g FROM generate_series(1, 8) g")
+    watch(admin, "public.iso_t", watch_mode)
+    claim(broker)
+    subscribers = {1: {"a"}, 2: {"a", "b"}, 3: {"b"}, 4: {"c"}}  # rows 5 to 8: nobody
+    for client in ("a", "b", "c"):
+        register(broker, client)
+    for key, clients in subscribers.items():
+        for client in clients:
+            subscribe(broker, client, "public.iso_t", key)
+    committed: Counter = Counter()  # key -> committed changes
+    told: Counter = Counter()  # (key, client) -> deliveries
+    bad: list[dict] = []
+    errors: list[BaseException] = []
+    stop_writers, stop_broker = threading.Event(), threading.Event()
+    lock = threading.Lock()
+
+    def drain_loop() -> None:
+        try:
+            acked: list[int] = []
+            while not stop_broker.is_set():
+                rows = broker.execute(
+                    "SELECT * FROM pgbroker.outbox_fetch('default', 100, %s)", (acked or None,)
+                ).fetchall()
+                acked = [r[0] for r in rows]
+                for _id, _table, _op, key, _changed, clients, _at in rows:
+                    if not clients or key not in subscribers:
+                        bad.append({"key": key, "clients": clients})
+                    for c in clients or ():
+                        told[(key, c)] += 1
+            if acked:
+                broker.execute("SELECT pgbroker.outbox_ack('default', %s)", (acked,))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def write(n: int) -> None:
+        rnd = random.Random(n)
+        isolation = ISOLATIONS[n % len(ISOLATIONS)]
+        try:
+            with connect(f"writer {n}", autocommit=False) as conn:
+                while not stop_writers.is_set():
+                    # A subscribed row with an unsubscribed one, as an application writes them.
+                    keys = sorted({rnd.randint(1, 4), rnd.randint(5, 8)})
+                    try:
+                        conn.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+                        conn.execute("UPDATE public.iso_t SET v = v + 1 WHERE id = ANY (%s)", (keys,))
+                        conn.commit()
+                    except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
+                        conn.rollback()
+                        continue
+                    with lock:
+                        for k in keys:
+                            committed[k] += 1
+                    time.sleep(rnd.random() * 0.002)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    reader = threading.Thread(target=drain_loop)
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(6)]
+    reader.start()
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(4.0)
+    finally:
+        stop_writers.set()
+        for t in threads:
+            t.join(30)
+
+        def all_told() -> bool:
+            return bool(errors) or all(
+                told[(k, c)] >= committed[k] for k, clients in subscribers.items() for c in clients
+            )
+
+        with contextlib.suppress(AssertionError):  # the assertions below say what is missing
+            wait_until(all_told, timeout=10, what="every change told")
+        stop_broker.set()
+        reader.join(30)
+    assert not errors, errors
+    assert sum(committed.values()) >= 300, committed
+    assert bad == [], f"{len(bad)} rows without clients or for unsubscribed rows, e.g. {bad[:5]}"
+    missing = {(k, c): committed[k] - told[(k, c)] for k, cs in subscribers.items() for c in cs}
+    assert all(v == 0 for v in missing.values()), f"(change, client) pairs missing or doubled: {missing}"
+    assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone() == (0,)
+
+
+@pytest.mark.slow
+def test_broker_notifications_name_their_clients_under_every_isolation_level(db_url, connect, watch_mode):
+    """The Python Broker over the same writers: every notification names a client, none is for the row nobody
+    watches, and every committed change of the watched row reaches its client (the case of issue 30: one
+    subscribed row and one unsubscribed row written together every 2 ms)."""
+    from pgbroker import Broker
+
+    admin = connect("admin")
+    admin.execute("INSERT INTO initech.objects (id, name) VALUES (1001, 'a'), (1100, 'b'), (1200, 'end')")
+    committed = Counter()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def write(isolation: str) -> None:
+        try:
+            with connect(f"writer {isolation}", autocommit=False) as conn:
+                while not stop.is_set():
+                    try:
+                        conn.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+                        conn.execute("UPDATE initech.objects SET name = name || '.' WHERE id = ANY('{1001,1100}')")
+                        conn.commit()
+                    except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
+                        conn.rollback()
+                        continue
+                    committed[isolation] += 1
+                    time.sleep(0.002)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    told = 0
+    bad = []
+    with Broker(db_url, heartbeat_interval=0.2) as broker:
+        broker.register("c")
+        broker.subscribe("c", "initech.objects", 1001)
+        broker.subscribe("c", "initech.objects", 1200)  # the end marker, written once the writers are done
+        threads = [threading.Thread(target=write, args=(iso,)) for iso in ISOLATIONS]
+        for t in threads:
+            t.start()
+
+        def finish() -> None:
+            time.sleep(3.0)
+            stop.set()
+            for t in threads:
+                t.join(30)
+            admin.execute("UPDATE initech.objects SET name = 'done' WHERE id = 1200")
+
+        finisher = threading.Thread(target=finish)
+        finisher.start()
+        try:
+            ended = False
+            for batch in broker.notifications(poll_interval=0.2):
+                for n in batch:
+                    if n.key == 1200:
+                        ended = True  # the outbox is in commit order: every writer's row came before it
+                    elif n.key != 1001 or n.clients != ["c"]:
+                        bad.append(n)
+                    else:
+                        told += 1
+                if ended:
+                    break
+        finally:
+            stop.set()
+            finisher.join(60)
+    assert not errors, errors
+    assert min(committed.values()) >= 20, committed
+    assert bad == [], f"{len(bad)} notifications without their client or for row 1100, e.g. {bad[:3]}"
+    assert told == sum(committed.values()), (told, committed)

@@ -2504,7 +2504,8 @@ COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'A deleted client''s
 --
 -- The watch triggers (600_triggers.sql) write one outbox row per changed row
 -- and live broker, carrying the clients to tell (or NULL: resolved when
--- fetched, for the rare changes written while a subscribe was under way).  The broker drains its rows with
+-- fetched, for the changes of REPEATABLE READ and SERIALIZABLE writers and
+-- those written while a subscribe was under way).  The broker drains its rows with
 -- outbox_fetch() and acknowledges them; while it drains it is "awake" and
 -- writers send no NOTIFY, and when it runs out of work it goes to sleep with
 -- broker_sleep(), after which the next writer wakes it with pg_notify on
@@ -2530,8 +2531,10 @@ CREATE UNLOGGED TABLE pgbroker.outbox (
 );
 -- A fetch reads one epoch's rows in id order, never an earlier epoch's.
 CREATE INDEX outbox_name_epoch_id ON pgbroker.outbox (name, epoch, id);
--- The rows whose clients are resolved at fetch time (normally none).
-CREATE INDEX outbox_unresolved ON pgbroker.outbox (name, epoch) WHERE clients IS NULL;
+-- The rows whose clients are resolved at fetch time (none but under
+-- REPEATABLE READ and SERIALIZABLE writers, or while a subscribe is under
+-- way), oldest first: a fetch returns no row past the first of them.
+CREATE INDEX outbox_unresolved ON pgbroker.outbox (name, epoch, id) WHERE clients IS NULL;
 -- A queue table: every row is deleted soon after it is written, and a fetch
 -- walks the dead index entries until VACUUM removes them (measured: an empty
 -- fetch over 70,000 dead rows takes 3.5 ms instead of 0.13 ms).  Let
@@ -2833,9 +2836,15 @@ COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
 -- acknowledges the previous batch and returns the next (the rows it
 -- deletes are left out of those it returns).  Rows are returned as the
 -- triggers wrote them: client ids, nothing looked up per row but the
--- table's name.  The rare rows written while a subscribe was under way
--- (clients NULL) are resolved first, and those left with nobody to tell
--- are deleted rather than returned.
+-- table's name.  Rows written with clients NULL (by REPEATABLE READ and
+-- SERIALIZABLE writers, and while a subscribe was under way) are resolved
+-- first, and those left with nobody to tell are deleted rather than
+-- returned.  Each statement sees the rows committed before it started, so
+-- a writer may commit an unresolved row after the resolving statement and
+-- before the last one: the last returns only the rows before the first
+-- unresolved row it sees (an index probe, normally on nothing), and the
+-- next call resolves that one.  So no row is returned without its clients,
+-- and the rows of one row of a table still come in commit order.
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
@@ -2886,6 +2895,9 @@ BEGIN
       FROM pgbroker.outbox o
      WHERE o.name = outbox_fetch.name AND o.epoch = v_epoch AND o.id > v_floor
        AND (outbox_fetch.ack IS NULL OR o.id <> ALL (outbox_fetch.ack))
+       AND o.id < COALESCE((SELECT min(u.id) FROM pgbroker.outbox u
+                             WHERE u.name = outbox_fetch.name AND u.epoch = v_epoch AND u.clients IS NULL),
+                           9223372036854775807)
      ORDER BY o.id
      LIMIT outbox_fetch.max_rows;
 END
