@@ -68,6 +68,7 @@ from pgbroker.errors import (
     LeaseLost,
     NotWatched,
     PgBrokerError,
+    TableBusy,
     schema_error,
     wrap_driver_error,
 )
@@ -841,7 +842,9 @@ def run_broker(
     session ends.  Once it holds the lease it re-registers the clients
     ``clients()`` returns (a dict: client id -> its ``(table, key)``
     subscriptions) with ``register_many`` and subscribes them with
-    ``subscribe_many`` (one statement per table and 10,000), then calls
+    ``subscribe_many`` (one statement per table and 10,000; a writer
+    transaction left open on a table makes it wait, and try again after each
+    :class:`TableBusy`), then calls
     ``on_start(broker)``: serve, with ``broker.epoch`` the epoch this term
     serves (its ``notifications()`` raise :class:`LeaseLost` when it ends).
     When the lease is lost (``on_start`` raises :class:`LeaseLost`, or, in
@@ -891,7 +894,12 @@ def run_broker(
                     for table, key in subscriptions:
                         by_table.setdefault(table, []).append((client_id, key))
                 for table, pairs in by_table.items():
-                    broker.subscribe_many(pairs, table)
+                    while True:  # a writer transaction left open on the table: wait for it, a guard at a time
+                        try:
+                            broker.subscribe_many(pairs, table)
+                            break
+                        except TableBusy as exc:
+                            log.warning("lease %r: re-subscribing to %s waits for a writer: %s", name, table, exc)
             _call(on_start, broker)
             return
         except LeaseLost as exc:
