@@ -598,7 +598,7 @@ class AsyncBroker(_BrokerBase):
                         cur = await conn.execute(TABLE_KEY_SQL, {"table": table})
                         found = await cur.fetchone()
                         if found is None:
-                            raise NotWatched(f"table {table} is not watched: its rows cannot be read by key")
+                            raise NotWatched(f"table {table} has no primary key: its rows cannot be read by key")
                         self._table_keys[table] = (found[0], found[1], list(found[2]))
                     parts.append(self._table_keys[table])
                 positions = list(groups.values())

@@ -118,14 +118,20 @@ SELECT * FROM pgbroker.lease_history
  WHERE (%(name)s::text IS NULL OR name = %(name)s::text) AND id > %(after_id)s
  ORDER BY id"""
 
-# A watched table's name and key columns, for reading its rows by key
+# A table's name and primary-key columns in key order (what pgbroker.watch()
+# takes as the key: sql/300_watched_tables.sql), for reading its rows by key
 # (rows_query); %(table)s is the "table" text of an outbox row (qualified).
+# From the catalog, which every role may read (the view watched_tables needs
+# pgbroker_reader).
 TABLE_KEY_SQL = """\
-SELECT n.nspname, c.relname, w.key_columns::text[]
-  FROM pgbroker.watched_tables w
-  JOIN pg_catalog.pg_class c ON c.oid = w."table"
+SELECT n.nspname, c.relname, array_agg(a.attname::text ORDER BY k.ord)
+  FROM pg_catalog.pg_class c
   JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
- WHERE w."table" = %(table)s::regclass"""
+  JOIN pg_catalog.pg_index i ON i.indrelid = c.oid AND i.indisprimary
+ CROSS JOIN LATERAL pg_catalog.unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+  JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum
+ WHERE c.oid = %(table)s::regclass
+ GROUP BY n.nspname, c.relname"""
 
 
 def rows_query(tables: list[tuple[str, str, list[str]]]) -> psycopg.sql.Composed:

@@ -286,6 +286,20 @@ def test_rows_come_with_the_notifications_and_read_rows_reads_a_snapshot(db_url,
         assert len(broker._table_keys) == 2
 
 
+def test_a_broker_role_alone_reads_rows_and_makes_registry_calls(pg_server, db_name, connect):
+    """Only pgbroker_broker (and SELECT on the table, which the initech migration grants it): the registry
+    connections' epoch-fenced calls and the row reads need nothing more."""
+    writer = connect("writer")
+    _seed(writer, 3)
+    with Broker(pg_server.url_for(db_name, user="t_broker"), heartbeat_interval=0.2) as broker:
+        broker.attach("c1")
+        broker.subscribe_many([("c1", 1), ("c1", 2)], "initech.objects")
+        assert [r["name"] for r in broker.read_rows("initech.objects", [1, 2])] == ["o1", "o2"]
+        writer.execute("UPDATE initech.objects SET name = 'one' WHERE id = 1")
+        batch = next(iter(broker.notifications(poll_interval=0.2, rows=True)))
+        assert [(n.key, n.row["name"], n.clients) for n in batch] == [(1, "one", ["c1"])]
+
+
 def test_a_late_clean_up_cannot_undo_a_newer_registration(db_url, connect):
     reader = connect("reader")
     with Broker(db_url, heartbeat_interval=0.2) as broker:
