@@ -165,9 +165,7 @@ class PatroniCluster:
         self.base.chmod(0o755)
         self.python, self.env = _python_for_server_user()
         self.bin_dir = server_bin_dir()
-        self.nodes = [
-            Node(f"node{i}", self.base / f"node{i}", free_port(), free_port(), free_port()) for i in (1, 2)
-        ]
+        self.nodes = [Node(f"node{i}", self.base / f"node{i}", free_port(), free_port(), free_port()) for i in (1, 2)]
         self.controller_port = free_port()
         self.controller: subprocess.Popen | None = None
         self._user = pwd.getpwnam(server_os_user()) if os.geteuid() == 0 else None
@@ -290,7 +288,10 @@ class PatroniCluster:
             out.close()
 
     def start_controller(self) -> None:
-        code = "import sys; sys.argv = ['patroni_raft_controller', sys.argv[1]]; from patroni.raft_controller import main; main()"
+        code = (
+            "import sys; sys.argv = ['patroni_raft_controller', sys.argv[1]];"
+            " from patroni.raft_controller import main; main()"
+        )
         self.controller = self._spawn(code, self.base / "controller.yml", self.base / "controller.log")
 
     def start_node(self, node: Node) -> None:
@@ -362,7 +363,9 @@ class PatroniCluster:
             with contextlib.suppress(OSError, ValueError):
                 code, body = _http_json(f"http://127.0.0.1:{node.rest_port}/cluster")
                 if code == 200 and body:
-                    return any(m.get("role") == "sync_standby" and m.get("state") == "streaming" for m in body["members"])
+                    return any(
+                        m.get("role") == "sync_standby" and m.get("state") == "streaming" for m in body["members"]
+                    )
         return False
 
     def healthy(self) -> bool:
@@ -402,6 +405,8 @@ class PatroniCluster:
                     return time.monotonic()
             for proc in [self.controller, *(n.process for n in self.nodes)]:
                 if proc is not None and proc.poll() is not None and proc.returncode not in (-signal.SIGKILL,):
-                    raise AssertionError(f"a Patroni process exited ({proc.returncode}) waiting for {what}\n{self.logs()}")
+                    raise AssertionError(
+                        f"a Patroni process exited ({proc.returncode}) waiting for {what}\n{self.logs()}"
+                    )
             time.sleep(0.02)
         raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs()}")
