@@ -25,6 +25,7 @@ tests in a step of their own, with PGBROKER_REQUIRE_HA=1 so that a missing Patro
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import threading
@@ -62,6 +63,7 @@ WRITE_SQL = (
     "WITH u AS (UPDATE initech.objects SET name = %s WHERE id = %s RETURNING id)"
     " INSERT INTO public.acked (writer, seq, key) SELECT %s, %s, id FROM u RETURNING at"
 )
+_RUNS = itertools.count(1)
 SCENARIO_TIMEOUT = 120.0  # seconds for the lease to come back after a disruption
 
 
@@ -256,8 +258,10 @@ def _scenario(cluster: PatroniCluster, disrupt: Callable[[Node], None], label: s
     loop = BrokerLoop(url)
     writes = Writes()
     stop_writers = threading.Event()
+    run = next(_RUNS)  # writer numbers are unique across the scenarios that share a cluster
     writers = [
-        threading.Thread(target=_writer, args=(url, n, stop_writers, writes), daemon=True) for n in range(WRITERS)
+        threading.Thread(target=_writer, args=(url, run * 100 + n, stop_writers, writes), daemon=True)
+        for n in range(WRITERS)
     ]
     loop.start()
     try:
