@@ -293,6 +293,7 @@ def _scenario(cluster: PatroniCluster, disrupt: Callable[[Node], None], label: s
                 "SELECT key, at FROM public.acked WHERE at > %s", (final.server_resubscribed,)
             ).fetchall()
             server_acked = set(conn.execute("SELECT writer, seq FROM public.acked").fetchall())
+            version = conn.info.server_version // 10000
             timeline = int(conn.execute("SELECT substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8)").fetchone()[0], 16)
             with pytest.raises(psycopg.Error) as stale:
                 conn.execute("SELECT pgbroker.broker_assert('default', %s)", (first.epoch,))
@@ -326,7 +327,7 @@ def _scenario(cluster: PatroniCluster, disrupt: Callable[[Node], None], label: s
         "disrupt_to_reclaim": reclaimed - disrupted,
     }
     print(
-        f"\n{label}: {old.name} -> {new.name}; epochs {first.epoch:#x} -> {final.epoch:#x} (timeline {timeline}); "
+        f"\nPostgreSQL {version}, {label}: {old.name} -> {new.name}; epochs {first.epoch:#x} -> {final.epoch:#x} (timeline {timeline}); "
         f"{figures['disrupt_to_promotion']:.2f} s to the promotion, re-claim {figures['promotion_to_reclaim']:.3f} s "
         f"after it (clients and subscriptions back {figures['reclaim_to_resubscribed']:.3f} s later), first write "
         f"served {figures['disrupt_to_first_write'] or float('nan'):.2f} s after the {label}; writes: "
