@@ -327,7 +327,8 @@ def _scenario(cluster: PatroniCluster, disrupt: Callable[[Node], None], label: s
         "disrupt_to_reclaim": reclaimed - disrupted,
     }
     print(
-        f"\nPostgreSQL {version}, {label}: {old.name} -> {new.name}; epochs {first.epoch:#x} -> {final.epoch:#x} (timeline {timeline}); "
+        f"\nPostgreSQL {version}, {label}: {old.name} -> {new.name}; "
+        f"epochs {first.epoch:#x} -> {final.epoch:#x} (timeline {timeline}); "
         f"{figures['disrupt_to_promotion']:.2f} s to the promotion, re-claim {figures['promotion_to_reclaim']:.3f} s "
         f"after it (clients and subscriptions back {figures['reclaim_to_resubscribed']:.3f} s later), first write "
         f"served {figures['disrupt_to_first_write'] or float('nan'):.2f} s after the {label}; writes: "
