@@ -22,16 +22,17 @@ from logging.config import fileConfig
 
 import sqlalchemy.exc
 from alembic import context
-from sqlalchemy import create_engine, pool, text
+from sqlalchemy import pool, text
 
+from pgbroker._url import create_engine
 from pgbroker.install import (
     URL_FORM,
     VERSION_TABLE,
     VERSION_TABLE_SCHEMA,
     InstallError,
+    check_url,
     connection_error,
     describe,
-    sqlalchemy_url,
 )
 
 config = context.config
@@ -65,7 +66,8 @@ def _has_version_table(connection: sqlalchemy.Connection) -> bool:
 def run_migrations_online() -> None:
     url = _url()
     try:
-        engine = create_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
+        # Connections made by psycopg from the libpq URL itself: multi-host URLs work (pgbroker/_url.py).
+        engine = create_engine(check_url(url), poolclass=pool.NullPool)
     except (InstallError, ValueError, sqlalchemy.exc.ArgumentError) as exc:
         raise SystemExit(f"pgbroker: {exc}") from None
     try:

@@ -101,8 +101,16 @@ def check_url(url: str) -> str:
 
 
 def sqlalchemy_url(url: str) -> str:
-    """Turn a libpq-style ``postgresql://`` URL into SQLAlchemy's psycopg 3 form (:class:`InstallError` if bad)."""
-    return "postgresql+psycopg://" + check_url(url)[len("postgresql://") :]
+    """Turn a libpq-style ``postgresql://`` URL into SQLAlchemy's psycopg 3 form (:class:`InstallError` if bad).
+
+    A multi-host URL becomes SQLAlchemy's ``?host=h1:p1&host=h2:p2`` form (pgbroker/_url.py).
+    """
+    from pgbroker._url import to_sqlalchemy
+
+    try:
+        return to_sqlalchemy(check_url(url))
+    except ValueError as exc:
+        raise InstallError(f"{redact(url)!r}: {exc}") from None
 
 
 def libpq_url(url: str) -> str:
@@ -128,10 +136,10 @@ def describe(url: str) -> str:
     """``database NAME on HOST:PORT`` for a URL, without its password."""
     from psycopg.conninfo import conninfo_to_dict
 
-    info = conninfo_to_dict(check_url(url))
-    host = info.get("host") or "local socket"
-    port = f":{info['port']}" if info.get("port") else ""
-    return f"database {info.get('dbname') or '(default)'} on {host}{port}"
+    from pgbroker._url import describe_hosts
+
+    libpq = check_url(url)
+    return f"database {conninfo_to_dict(libpq).get('dbname') or '(default)'} on {describe_hosts(libpq)}"
 
 
 def connection_error(url: str, exc: BaseException) -> InstallError:
@@ -237,8 +245,15 @@ def migrate(url: str, revision: str = "heads", *, initech: bool = True) -> Insta
 
 
 def _run_alembic(url: str, action: Callable[[Config], object], *, initech: bool = True) -> None:
-    """Run an alembic command against ``url`` (already checked to be reachable by the caller)."""
-    action(_config(url, initech=initech))
+    """Run an alembic command against ``url`` (already checked to be reachable by the caller).
+
+    pgbroker's alembic environment ends the ``alembic`` command line with SystemExit and a one-line reason; a
+    library call raises :class:`InstallError` with it instead (``except Exception`` does not catch SystemExit).
+    """
+    try:
+        action(_config(url, initech=initech))
+    except SystemExit as exc:
+        raise InstallError(str(exc.code).removeprefix("pgbroker: ")) from None
 
 
 def downgrade(url: str, revision: str = "base") -> None:

@@ -13,11 +13,28 @@
 -- promoted standby has it empty; both end every broker session, so the next
 -- claim starts a new epoch whose clients re-subscribe and re-read.  Rows of
 -- an earlier epoch than the lease's are never fetched; broker_sweep()
--- deletes them.
+-- deletes them.  Safe after a promotion because nothing in it must survive
+-- one, and it has no state whose loss blocks writers: its ids come from a
+-- LOGGED sequence (below), not from an identity column.
+--
+-- The sequence of its ids is LOGGED on purpose.  An identity column of an
+-- UNLOGGED table gets an UNLOGGED sequence (PostgreSQL 15 and later), and
+-- on PostgreSQL 15 a standby that replayed the sequence's creation and made
+-- no restartpoint since is promoted with an all-zero sequence page: every
+-- nextval(), so every write to a watched table, then fails with "bad magic
+-- number in sequence" (XX000) until a checkpoint and a crash restart (issue
+-- 26; tests/faults/test_failover_unlogged.py).  A logged sequence is
+-- replicated like any table; it writes WAL once every 32 values, and the
+-- writer's transaction writes WAL for its own change anyway.  A sequence of
+-- its own (not an identity column made LOGGED) keeps its persistence
+-- through pg_dump and restore.
+CREATE SEQUENCE pgbroker.outbox_id_seq AS bigint;
+COMMENT ON SEQUENCE pgbroker.outbox_id_seq IS
+    'Ids of pgbroker.outbox rows. LOGGED although the outbox is UNLOGGED: an unlogged sequence can come out of a promotion unusable (sql/500_outbox.sql).';
 CREATE UNLOGGED TABLE pgbroker.outbox (
     -- Unique by its sequence; indexed with the broker's name and epoch only
     -- (below): every index is one more hot page that all writers insert into.
-    id bigint GENERATED ALWAYS AS IDENTITY,
+    id bigint NOT NULL DEFAULT pg_catalog.nextval('pgbroker.outbox_id_seq'::pg_catalog.regclass),
     name text NOT NULL,
     epoch bigint NOT NULL,
     watch_id integer NOT NULL,

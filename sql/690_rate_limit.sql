@@ -38,6 +38,11 @@
 -- standbys do not have it.  Crash recovery (and a failover) empties it, so
 -- every limit starts full again: the limiter fails open to a full bucket,
 -- allowing at most one extra BURST per name.  A clean restart keeps it.
+-- Safe after a promotion: nothing in it must survive one (no row is a full
+-- bucket), and it has no sequence or identity column, nothing whose loss or
+-- corruption could block a caller; its only index, the primary key, comes
+-- back empty and usable (tests/faults/test_failover_unlogged.py calls
+-- rate_limit() on a standby promoted without a restartpoint).
 --
 -- Operators see the view pgbroker.rate_limits (700_views.sql) and the
 -- aggregate metrics of pgbroker.metrics (750_console.sql).

@@ -97,6 +97,7 @@ DROP FUNCTION pgbroker.wakeup_channel(text);
 DROP FUNCTION pgbroker._lock_class_awake();
 DROP FUNCTION pgbroker._lock_class_drain();
 DROP TABLE pgbroker.outbox;
+DROP SEQUENCE pgbroker.outbox_id_seq;
 DROP TRIGGER _400_drop_interest ON pgbroker.client;
 DROP FUNCTION pgbroker._interest_drop_client();
 DROP FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint);

@@ -2515,11 +2515,28 @@ COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'A deleted client''s
 -- promoted standby has it empty; both end every broker session, so the next
 -- claim starts a new epoch whose clients re-subscribe and re-read.  Rows of
 -- an earlier epoch than the lease's are never fetched; broker_sweep()
--- deletes them.
+-- deletes them.  Safe after a promotion because nothing in it must survive
+-- one, and it has no state whose loss blocks writers: its ids come from a
+-- LOGGED sequence (below), not from an identity column.
+--
+-- The sequence of its ids is LOGGED on purpose.  An identity column of an
+-- UNLOGGED table gets an UNLOGGED sequence (PostgreSQL 15 and later), and
+-- on PostgreSQL 15 a standby that replayed the sequence's creation and made
+-- no restartpoint since is promoted with an all-zero sequence page: every
+-- nextval(), so every write to a watched table, then fails with "bad magic
+-- number in sequence" (XX000) until a checkpoint and a crash restart (issue
+-- 26; tests/faults/test_failover_unlogged.py).  A logged sequence is
+-- replicated like any table; it writes WAL once every 32 values, and the
+-- writer's transaction writes WAL for its own change anyway.  A sequence of
+-- its own (not an identity column made LOGGED) keeps its persistence
+-- through pg_dump and restore.
+CREATE SEQUENCE pgbroker.outbox_id_seq AS bigint;
+COMMENT ON SEQUENCE pgbroker.outbox_id_seq IS
+    'Ids of pgbroker.outbox rows. LOGGED although the outbox is UNLOGGED: an unlogged sequence can come out of a promotion unusable (sql/500_outbox.sql).';
 CREATE UNLOGGED TABLE pgbroker.outbox (
     -- Unique by its sequence; indexed with the broker's name and epoch only
     -- (below): every index is one more hot page that all writers insert into.
-    id bigint GENERATED ALWAYS AS IDENTITY,
+    id bigint NOT NULL DEFAULT pg_catalog.nextval('pgbroker.outbox_id_seq'::pg_catalog.regclass),
     name text NOT NULL,
     epoch bigint NOT NULL,
     watch_id integer NOT NULL,
@@ -4635,6 +4652,11 @@ COMMENT ON FUNCTION pgbroker.counter_set(text, bigint, bigint) IS
 -- standbys do not have it.  Crash recovery (and a failover) empties it, so
 -- every limit starts full again: the limiter fails open to a full bucket,
 -- allowing at most one extra BURST per name.  A clean restart keeps it.
+-- Safe after a promotion: nothing in it must survive one (no row is a full
+-- bucket), and it has no sequence or identity column, nothing whose loss or
+-- corruption could block a caller; its only index, the primary key, comes
+-- back empty and usable (tests/faults/test_failover_unlogged.py calls
+-- rate_limit() on a standby promoted without a restartpoint).
 --
 -- Operators see the view pgbroker.rate_limits (700_views.sql) and the
 -- aggregate metrics of pgbroker.metrics (750_console.sql).

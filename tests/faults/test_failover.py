@@ -10,85 +10,23 @@ standby, before the promotion, fails with a clear error.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import psycopg
 import pytest
+from standby_util import PRIMARY_OPTIONS, Standby, stop_immediately, wait_for
 
 from pgbroker import install
-from pgbroker._embedded import (
-    SERVER_OPTIONS,
-    EmbeddedPostgres,
-    find_pg_bin,
-    free_port,
-    pg_ctl_command,
-    server_bin_dir,
-    server_os_user,
-)
+from pgbroker._embedded import EmbeddedPostgres
 
 MISSED = 100
 
 
-def _as_server_user(*args: str) -> list[str]:
-    return ["runuser", "-u", server_os_user(), "--", *args] if os.geteuid() == 0 else list(args)
-
-
-def _wait_for(check, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except psycopg.Error:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Standby:
-    """A streaming standby of ``primary``, made with pg_basebackup -R, in its own directory."""
-
-    def __init__(self, primary: EmbeddedPostgres, directory: Path) -> None:
-        self.port = free_port()
-        self.directory = directory
-        self.pg_ctl_path = pg_ctl_command(directory)  # (root: hands the directory to the server's OS user)
-        self.datadir = directory / "data"
-        done = subprocess.run(
-            _as_server_user(
-                str(server_bin_dir() / "pg_basebackup"),
-                "-h", primary.host, "-p", str(primary.port), "-U", "postgres",
-                "-D", str(self.datadir), "-R", "-X", "stream", "-c", "fast", "--no-sync",
-            ),
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-
-    def url_for(self, dbname: str) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
-
-    def pg_ctl(self, *args: str) -> None:
-        done = subprocess.run(
-            [self.pg_ctl_path, *args, "-D", str(self.datadir)], capture_output=True, text=True, timeout=120, cwd="/"
-        )
-        log = self.directory / "log"
-        assert done.returncode == 0, (done.stderr or done.stdout) + (log.read_text()[-2000:] if log.exists() else "")
-
-    def start(self) -> None:
-        # The primary's settings: a standby needs max_connections and the like at least as high.
-        options = (
-            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.directory} {SERVER_OPTIONS}"
-        )
-        self.pg_ctl("start", "-w", "-l", str(self.directory / "log"), "-o", options)
-
-
 @pytest.fixture
 def primary():
-    server = EmbeddedPostgres("-c wal_level=replica -c max_wal_senders=4")
+    server = EmbeddedPostgres(PRIMARY_OPTIONS)
     server.start()
     try:
         yield server
@@ -116,7 +54,7 @@ def test_epochs_after_failover_compare_greater_than_every_lost_one(primary):
     standby = Standby(primary, directory)
     standby.start()
     try:
-        _wait_for(
+        wait_for(
             lambda: (
                 psycopg.connect(standby.url_for("app"), autocommit=True)
                 .execute("SELECT epoch FROM pgbroker.lease WHERE name = 'default'")
@@ -135,16 +73,12 @@ def test_epochs_after_failover_compare_greater_than_every_lost_one(primary):
         standby.pg_ctl("stop", "-w", "-m", "fast")
         lost = [_claim_and_release(url, "default") for _ in range(MISSED)]
         assert lost == sorted(lost) and lost[0] > seen[-1]
-        subprocess.run(
-            [str(primary.datadir.parent / "pg_ctl") if os.geteuid() == 0 else str(find_pg_bin() / "pg_ctl"),
-             "stop", "-D", str(primary.datadir), "-m", "immediate"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
+        stop_immediately(primary)
 
         standby.start()
         standby.pg_ctl("promote", "-w")
         new_url = standby.url_for("app")
-        _wait_for(
+        wait_for(
             lambda: not psycopg.connect(new_url, autocommit=True).execute("SELECT pg_is_in_recovery()").fetchone()[0],
             "the promotion",
         )
@@ -169,7 +103,5 @@ def test_epochs_after_failover_compare_greater_than_every_lost_one(primary):
             timeline = conn.execute("SELECT substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8)").fetchone()[0]
             assert int(timeline, 16) == 2 and after[0] >> 40 == 1
     finally:
-        subprocess.run(
-            [standby.pg_ctl_path, "stop", "-D", str(standby.datadir), "-m", "immediate"], capture_output=True
-        )
+        standby.kill()
         shutil.rmtree(directory, ignore_errors=True)
