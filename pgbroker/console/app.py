@@ -59,8 +59,8 @@ SELECT current_user AS role, r.rolsuper AS superuser,
 ROLES_EXIST_SQL = "SELECT count(*) FROM pg_catalog.pg_roles WHERE rolname = 'pgbroker_reader'"
 
 BROKERS_SQL = """\
-SELECT name, epoch, state, holder_pid, holder_application, pg_catalog.host(holder_address) AS holder_address, holder_user,
-       holder_info, claimed_at, heartbeat_at, EXTRACT(epoch FROM heartbeat_age)::float8 AS heartbeat_age_s,
+SELECT name, epoch, state, holder_pid, holder_application, pg_catalog.host(holder_address) AS holder_address,
+       holder_user, holder_info, claimed_at, heartbeat_at, EXTRACT(epoch FROM heartbeat_age)::float8 AS heartbeat_age_s,
        released_at, alive, waiting
   FROM pgbroker.brokers WHERE name > %(after)s ORDER BY name LIMIT %(limit)s"""
 BROKER_NAMES_SQL = "SELECT name FROM pgbroker.brokers ORDER BY name LIMIT 1000"
@@ -103,7 +103,9 @@ SELECT key, version, updated_at, expires_at, value
   FROM pgbroker.kv
  WHERE key > %(after)s AND key >= %(prefix)s AND pg_catalog.starts_with(key, %(prefix)s)
  ORDER BY key LIMIT %(limit)s"""
-COUNTERS_SQL = "SELECT name, value, updated_at FROM pgbroker.counters WHERE name > %(after)s ORDER BY name LIMIT %(limit)s"
+COUNTERS_SQL = (
+    "SELECT name, value, updated_at FROM pgbroker.counters WHERE name > %(after)s ORDER BY name LIMIT %(limit)s"
+)
 RATE_LIMITS_SQL = """\
 SELECT name, rate, EXTRACT(epoch FROM per)::float8 AS per_s, burst, available, full_at, allowed, denied,
        last_allowed, updated_at
@@ -138,8 +140,15 @@ class RoleCheck:
     schema_version: str
 
     def describe(self, admin_mode: bool) -> str:
-        rights = [r for r, ok in (("pgbroker_reader", self.reader), ("pgbroker_user", self.user),
-                                  ("pgbroker_admin", self.admin)) if ok]
+        rights = [
+            r
+            for r, ok in (
+                ("pgbroker_reader", self.reader),
+                ("pgbroker_user", self.user),
+                ("pgbroker_admin", self.admin),
+            )
+            if ok
+        ]
         what = "superuser" if self.superuser else f"a member of {', '.join(rights) or 'no pgbroker role'}"
         mode = "admin: hand-over and revoke enabled" if admin_mode else "read-only"
         values = "" if self.user or self.superuser else "; KV values hidden (not a member of pgbroker_user)"
@@ -193,8 +202,9 @@ def _json_default(value: Any) -> Any:
         return value.total_seconds()
     if isinstance(value, Decimal):
         return float(value)
-    if isinstance(value, ipaddress.IPv4Address | ipaddress.IPv6Address | ipaddress.IPv4Interface
-                  | ipaddress.IPv6Interface):
+    if isinstance(
+        value, ipaddress.IPv4Address | ipaddress.IPv6Address | ipaddress.IPv4Interface | ipaddress.IPv6Interface
+    ):
         return str(value)
     if isinstance(value, bytes | memoryview):
         return bytes(value).hex()
@@ -467,8 +477,10 @@ class Console:
     async def _sample_lag(self) -> None:
         while True:
             rows = await self.rows(LAG_SQL)
-            sample = {"t": time.time(), "brokers": {r["name"]: {"pending": r["pending"], "lag_s": r["lag_s"]}
-                                                    for r in rows}}
+            sample = {
+                "t": time.time(),
+                "brokers": {r["name"]: {"pending": r["pending"], "lag_s": r["lag_s"]} for r in rows},
+            }
             self.lag.append(sample)
             self.hub.publish({"type": "lag", "sample": sample})
             await asyncio.sleep(LAG_SAMPLE_S)
@@ -483,8 +495,11 @@ class Console:
             self.counts_dirty.clear()
             started = time.monotonic()
             rows = await self.rows(COUNTS_SQL)
-            self.counts = {"at": time.time(), "took_s": time.monotonic() - started,
-                           "rows": {r["name"]: r for r in rows}}
+            self.counts = {
+                "at": time.time(),
+                "took_s": time.monotonic() - started,
+                "rows": {r["name"]: r for r in rows},
+            }
             self.hub.publish({"type": "counts", **self.counts})
             await asyncio.sleep(COUNTS_MIN_S)
 
@@ -533,8 +548,10 @@ def _handler(func: Callable[[Request], Any]) -> Callable[[Request], Any]:
             if isinstance(exc, psycopg.Error):
                 error = translate(exc)
                 status = 403 if exc.sqlstate == "42501" else 409 if (exc.sqlstate or "").startswith("55") else 400
-                return _JSON({"error": type(error).__name__, "sqlstate": exc.sqlstate, "message": _first_line(error)},
-                             status_code=status)
+                return _JSON(
+                    {"error": type(error).__name__, "sqlstate": exc.sqlstate, "message": _first_line(error)},
+                    status_code=status,
+                )
             raise
 
     run.__name__ = func.__name__
@@ -579,8 +596,11 @@ async def brokers(request: Request) -> dict[str, Any]:
 async def history(request: Request) -> dict[str, Any]:
     c = _console(request)
     limit = _limit(request)
-    params = {"name": _param(request, "name", "default"), "before": _int_param(request, "before", 2**63 - 1),
-              "limit": limit}
+    params = {
+        "name": _param(request, "name", "default"),
+        "before": _int_param(request, "before", 2**63 - 1),
+        "limit": limit,
+    }
     return _page(await c.rows(HISTORY_SQL, params), limit)
 
 
@@ -593,8 +613,13 @@ async def clients(request: Request) -> dict[str, Any]:
     if not found:
         return _page([], limit, epoch=None)
     epoch = found[0]["epoch"]
-    params = {"name": name, "epoch": epoch, "after": _param(request, "after"), "prefix": _param(request, "prefix"),
-              "limit": limit}
+    params = {
+        "name": name,
+        "epoch": epoch,
+        "after": _param(request, "after"),
+        "prefix": _param(request, "prefix"),
+        "limit": limit,
+    }
     return _page(await c.rows(CLIENTS_SQL, params), limit, epoch=epoch)
 
 
@@ -602,9 +627,13 @@ async def clients(request: Request) -> dict[str, Any]:
 async def subscriptions(request: Request) -> dict[str, Any]:
     c = _console(request)
     limit = _limit(request)
-    params = {"name": _param(request, "name", "default"), "client": _param(request, "client"),
-              "after_table": _param(request, "after_table"), "after_key": _param(request, "after_key"),
-              "limit": limit}
+    params = {
+        "name": _param(request, "name", "default"),
+        "client": _param(request, "client"),
+        "after_table": _param(request, "after_table"),
+        "after_key": _param(request, "after_key"),
+        "limit": limit,
+    }
     return _page(await c.rows(CLIENT_SUBSCRIPTIONS_SQL, params), limit)
 
 
@@ -656,8 +685,12 @@ async def rate_limits(request: Request) -> dict[str, Any]:
 async def grants(request: Request) -> dict[str, Any]:
     c = _console(request)
     limit = _limit(request)
-    params = {"after_kind": _param(request, "after_kind"), "after_prefix": _param(request, "after_prefix"),
-              "after_role": _param(request, "after_role"), "limit": limit}
+    params = {
+        "after_kind": _param(request, "after_kind"),
+        "after_prefix": _param(request, "after_prefix"),
+        "after_role": _param(request, "after_role"),
+        "limit": limit,
+    }
     return _page(await c.rows(GRANTS_SQL, params), limit)
 
 
@@ -665,13 +698,19 @@ async def grants(request: Request) -> dict[str, Any]:
 async def health(request: Request) -> dict[str, Any]:
     c = _console(request)
     found = await c.health_rows()
-    schema = {"check": "schema", "subject": "", "ok": c.check.schema_version == install.SCHEMA_VERSION,
-              "detail": f"schema version {c.check.schema_version}"
-              + ("" if c.check.schema_version == install.SCHEMA_VERSION
-                 else f", this package's is {install.SCHEMA_VERSION}"),
-              "fix": None if c.check.schema_version == install.SCHEMA_VERSION else "run: pgbroker migrate"}
-    return {"rows": [schema, *found["rows"]], "at": found["at"],
-            "note": "pgbroker doctor also checks keepalives, poolers and grants from a client's side"}
+    schema = {
+        "check": "schema",
+        "subject": "",
+        "ok": c.check.schema_version == install.SCHEMA_VERSION,
+        "detail": f"schema version {c.check.schema_version}"
+        + ("" if c.check.schema_version == install.SCHEMA_VERSION else f", this package's is {install.SCHEMA_VERSION}"),
+        "fix": None if c.check.schema_version == install.SCHEMA_VERSION else "run: pgbroker migrate",
+    }
+    return {
+        "rows": [schema, *found["rows"]],
+        "at": found["at"],
+        "note": "pgbroker doctor also checks keepalives, poolers and grants from a client's side",
+    }
 
 
 async def _admin_request(request: Request) -> tuple[Console, dict[str, Any]]:
@@ -720,11 +759,17 @@ async def takeover(request: Request) -> Response:
     async def act(_: Request) -> dict[str, Any]:
         who = _who(request, c)
         async with await c.admin_connection() as conn:
-            epoch = (await (await conn.execute(TAKEOVER_SQL, {"name": name, "info": f"hand-over by {who}"}))
-                     .fetchone())[0]
+            epoch = (
+                await (await conn.execute(TAKEOVER_SQL, {"name": name, "info": f"hand-over by {who}"})).fetchone()
+            )[0]
             released = (await (await conn.execute(RELEASE_SQL, {"name": name})).fetchone())[0]
-        log.warning("AUDIT hand-over of lease %r by %s: claimed epoch %s with takeover, released: %s",
-                    name, who, epoch, released)
+        log.warning(
+            "AUDIT hand-over of lease %r by %s: claimed epoch %s with takeover, released: %s",
+            name,
+            who,
+            epoch,
+            released,
+        )
         return {"name": name, "epoch": epoch, "released": released}
 
     return await act(request)
@@ -747,8 +792,9 @@ async def revoke(request: Request) -> Response:
     async def act(_: Request) -> dict[str, Any]:
         who = _who(request, c)
         async with await c.admin_connection() as conn:
-            revoked = (await (await conn.execute(REVOKE_SQL, {"kind": kind, "prefix": prefix, "role": role}))
-                       .fetchone())[0]
+            revoked = (
+                await (await conn.execute(REVOKE_SQL, {"kind": kind, "prefix": prefix, "role": role})).fetchone()
+            )[0]
         log.warning("AUDIT name_revoke(%r, %r, %r) by %s: %s", kind, prefix, role, who, revoked)
         return {"revoked": revoked}
 
@@ -887,6 +933,7 @@ def serve(
                 asyncio.get_running_loop().call_soon_threadsafe(hub.close)
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2,
-                            access_log=False)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2, access_log=False
+    )
     Server(config).run()
