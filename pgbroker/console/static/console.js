@@ -340,7 +340,17 @@
 
   // -- clients and subscriptions ---------------------------------------------------------------------------
 
+  async function fillBrokerSelect() {
+    const select = $("clients-broker");
+    if (select.options.length) return;
+    const page = await api("brokers", { limit: 200 });
+    for (const b of page.rows) select.appendChild(el("option", { value: b.name }, b.name));
+    const alive = page.rows.find((b) => b.alive);
+    if (state.selected || alive) select.value = state.selected || alive.name;
+  }
+
   async function loadClients() {
+    await fillBrokerSelect();
     const name = $("clients-broker").value || state.selected || "default";
     const page = await api("clients", { name: name, after: cursor("clients") || "", prefix: $("clients-search").value, limit: 50 });
     $("clients-epoch").textContent = page.epoch === null ? "no such lease" : "epoch " + page.epoch;
