@@ -324,7 +324,7 @@ class Console:
             max_size=self.pool_size,
             open=False,
             timeout=3.0,
-            reconnect_timeout=0,  # keep trying for ever: the database may be away for a while
+            reconnect_timeout=0,  # a failed connect is given up at once; the next request tries again
             kwargs={
                 "autocommit": True,
                 "application_name": "pgbroker console",
@@ -927,6 +927,7 @@ def serve(
     announce(f"pgbroker console: {install.describe(url)} as {check.describe(admin)}")
     announce(f"pgbroker console: http://{shown}:{port}/  (Ctrl-C stops it)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)  # an outage is said once, as "database reconnecting"
     hub = app.state.console.hub
 
     class Server(uvicorn.Server):
