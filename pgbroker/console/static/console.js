@@ -426,19 +426,23 @@
       crumbs.appendChild(el("a", { href: "#kv", class: "crumb", onclick: (ev) => { ev.preventDefault(); setPrefix(target); } }, part));
     }
     const rows = [];
-    const folders = new Set();
+    const folders = new Map();
     for (const r of page.rows) {
       const rest = r.key.slice(prefix.length);
       const cut = rest.indexOf("/");
       if (cut >= 0 && cut < rest.length - 1) {
         const folder = prefix + rest.slice(0, cut + 1);
-        if (!folders.has(folder)) { folders.add(folder); rows.push({ folder: folder, label: rest.slice(0, cut + 1) }); }
+        if (!folders.has(folder)) {
+          folders.set(folder, { folder: folder, label: rest.slice(0, cut + 1), n: 0 });
+          rows.push(folders.get(folder));
+        }
+        folders.get(folder).n += 1;
       } else rows.push(r);
     }
     table("kv", [
       ["key", (r) => r.folder ? el("a", { href: "#kv", class: "folder", onclick: (ev) => { ev.preventDefault(); setPrefix(r.folder); } }, "▸ " + r.label)
         : el("span", { class: "kv-key" }, r.key.slice(prefix.length) || r.key), "name"],
-      ["value", (r) => r.folder ? "" : el("code", { class: "kv-value" }, page.values_visible ? JSON.stringify(r.value) : "(hidden)")],
+      ["value", (r) => r.folder ? r.n + (page.more && r === rows[rows.length - 1] ? "+" : "") + " key(s) on this page" : el("code", { class: "kv-value" }, page.values_visible ? JSON.stringify(r.value) : "(hidden)")],
       ["version", (r) => r.folder ? "" : r.version, "num"], ["updated", (r) => r.folder ? "" : when(r.updated_at)],
       ["expires", (r) => r.folder ? "" : (r.expires_at ? when(r.expires_at) : "never")],
     ], rows, (r) => ({ "data-key": r.folder || r.key }));
