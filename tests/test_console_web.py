@@ -484,9 +484,32 @@ def test_read_only_refuses_writes(pg, start_console, browser):
         assert _sql(pg, "SELECT holder_pid, epoch, alive FROM pgbroker.brokers WHERE name = 'guarded'") == [
             (pid, epoch, True)
         ]
-    # The pool's sessions are read-only too: even a write slipped into a page would fail.
-    roles = _sql(pg, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgbroker console'")
-    assert roles[0][0] >= 1
+
+
+def test_the_pool_of_the_console_cannot_write(pg):
+    """Its sessions are default_transaction_read_only: even a write slipped into a page would fail (25006)."""
+    import asyncio
+
+    from pgbroker.console import check_role
+    from pgbroker.console.app import Console
+
+    url = pg.url_for("postgres", user="console_values")  # may call counter_add, but not through the console
+
+    async def attempt() -> str | None:
+        console = Console(url, check_role(url), admin=False)
+        await console.start()
+        try:
+            assert await console.rows("SELECT pgbroker.counter_get('console-write')") == [{"counter_get": 0}]
+            try:
+                await console.rows("SELECT pgbroker.counter_add('console-write', 1)")
+            except psycopg.Error as exc:
+                return exc.sqlstate
+            return None
+        finally:
+            await console.stop()
+
+    assert asyncio.run(attempt()) == "25006"
+    assert _sql(pg, "SELECT count(*) FROM pgbroker.counters WHERE name = 'console-write'") == [(0,)]
 
 
 def test_admin_hands_a_lease_over_and_revokes_a_grant_each_confirmed_and_audited(pg, start_console, browser):
@@ -572,3 +595,29 @@ def test_pages_are_bounded_and_keyset_paginated(pg, start_console):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 400
+
+
+def test_forged_lease_notifications_change_nothing_and_events_keep_flowing(pg, start_console):
+    console = start_console("console_reader")
+    with urllib.request.urlopen(console.base + "/events", timeout=30) as stream:
+        assert stream.readline().startswith(b"retry:")
+        _sql(
+            pg,
+            "SELECT pg_notify('pgbroker_lease', 'not json'), pg_notify('pgbroker_lease', '[1]'),"
+            " pg_notify('pgbroker_lease', '{\"name\": \"\"}')",
+        )
+        with holder(pg, "after-forgery", "honest-broker") as (pid, epoch):
+            deadline = time.monotonic() + WAIT_S
+            seen = []
+            while time.monotonic() < deadline:
+                line = stream.readline()
+                if line.startswith(b"data: "):
+                    message = json.loads(line[6:])
+                    seen.append(message)
+                    if message["type"] == "lease" and message["event"]["name"] == "after-forgery":
+                        assert message["event"]["pid"] == pid and message["event"]["epoch"] == epoch
+                        break
+            else:
+                raise AssertionError(f"no lease event after the forged ones: {seen}")
+    assert console.get("/api/info")[1]["db"]["state"] == "connected"
+    assert "reconnecting" not in console.output()
