@@ -926,6 +926,11 @@ def serve(
     shown = f"[{host}]" if ":" in host else host
     announce(f"pgbroker console: {install.describe(url)} as {check.describe(admin)}")
     announce(f"pgbroker console: http://{shown}:{port}/  (Ctrl-C stops it)")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        announce(
+            f"pgbroker console: warning: listening on {host}: the console has no login of its own; anyone who "
+            "reaches this address sees what the role sees (put it behind an authenticating proxy)"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)  # an outage is said once, as "database reconnecting"
     hub = app.state.console.hub
