@@ -588,6 +588,31 @@ def test_pages_are_bounded_and_keyset_paginated(pg, start_console):
             break
         after = page["rows"][-1]["key"]
     assert seen == [f"page/{i:04d}" for i in range(1, 451)]
+    # The tree, a level at a time, also a child per page: folders end with /, a key equal to a folder's name is
+    # the folder's, 'tree/b0' sorts right after every key of 'tree/b/'.
+    for key in ("tree/a/1", "tree/a/2", "tree/b/", "tree/b/x/1", "tree/b0", "tree/c", "treeless"):
+        _sql(pg, "SELECT pgbroker.kv_set(%s, '1')", (key,))
+
+    def level(prefix: str, limit: int) -> list[str]:
+        children, after = [], ""
+        for _ in range(20):
+            status, page = console.get(
+                f"/api/kv/tree?prefix={prefix}&after={urllib.request.quote(after)}&limit={limit}"
+            )
+            assert status == 200 and page["supported"], page
+            children += [r["child"] for r in page["rows"]]
+            if not page["more"]:
+                return children
+            after = page["rows"][-1]["child"]
+        raise AssertionError(children)
+
+    for limit in (1, 2, 50):
+        assert level("tree/", limit) == ["tree/a/", "tree/b/", "tree/b0", "tree/c"], limit
+    assert level("tree/b/", 1) == ["tree/b/x/"]
+    assert "tree/" in level("", 200) and "treeless" in level("", 200)
+    assert len(level("page/", 200)) == 450
+    status, body = console.get("/api/kv/tree?prefix=tree")
+    assert status == 400 and "must end with /" in body["message"]
     status, body = console.get("/api/kv?limit=x")
     assert status == 400 and body["error"] == "InvalidArgument"
     # Requests for another host (DNS rebinding) are refused.

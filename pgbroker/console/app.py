@@ -103,6 +103,40 @@ SELECT key, version, updated_at, expires_at, value
   FROM pgbroker.kv
  WHERE key > %(after)s AND key >= %(prefix)s AND pg_catalog.starts_with(key, %(prefix)s)
  ORDER BY key LIMIT %(limit)s"""
+# The tree of the key-value store, a level at a time ("folders" end in /), the way Consul lists keys with a separator:
+# a skip scan, one index probe per child, which needs the keys in byte order (a C or C.UTF-8 collation, where the
+# keys that begin with a prefix are contiguous); in other collations the page groups a flat page of keys instead.
+KV_BYTE_ORDER_SQL = """\
+SELECT CASE WHEN c.collname = 'default'
+            THEN (d.datlocprovider = 'c' AND d.datcollate IN ('C', 'POSIX', 'C.UTF-8', 'C.utf8'))
+                 OR d.datlocprovider = 'b'
+            ELSE c.collname IN ('C', 'POSIX') END AS byte_order
+  FROM pg_catalog.pg_attribute a
+  JOIN pg_catalog.pg_collation c ON c.oid = a.attcollation
+  JOIN pg_catalog.pg_database d ON d.datname = pg_catalog.current_database()
+ WHERE a.attrelid = 'pgbroker.kv'::regclass AND a.attname = 'key'"""
+_KV_CHILD = """CASE WHEN pg_catalog.strpos(pg_catalog.substr({k}, %(n)s + 1), '/') > 0
+            THEN %(prefix)s || pg_catalog.left(pg_catalog.substr({k}, %(n)s + 1),
+                                              pg_catalog.strpos(pg_catalog.substr({k}, %(n)s + 1), '/'))
+            ELSE {k} END"""
+KV_TREE_SQL = f"""\
+WITH RECURSIVE c(child) AS (
+    (SELECT {_KV_CHILD.format(k="key")} FROM pgbroker.kv
+      WHERE key >= %(first)s AND key < %(upper)s
+      ORDER BY key LIMIT 1)
+  UNION ALL
+    SELECT (SELECT {_KV_CHILD.format(k="k.key")} FROM pgbroker.kv k
+             WHERE k.key >= CASE WHEN pg_catalog.right(c.child, 1) = '/'
+                                 THEN pg_catalog.left(c.child, -1) || '0'   -- past every key of the folder
+                                 ELSE c.child || pg_catalog.chr(1) END      -- the next key after this one
+               AND k.key < %(upper)s
+             ORDER BY k.key LIMIT 1)
+      FROM c WHERE c.child IS NOT NULL
+)
+SELECT c.child, e.version, e.updated_at, e.expires_at, e.value
+  FROM (SELECT child FROM c WHERE child IS NOT NULL LIMIT %(limit)s) c
+  LEFT JOIN pgbroker.kv e ON e.key = c.child AND pg_catalog.right(c.child, 1) <> '/'
+ ORDER BY c.child"""
 COUNTERS_SQL = (
     "SELECT name, value, updated_at FROM pgbroker.counters WHERE name > %(after)s ORDER BY name LIMIT %(limit)s"
 )
@@ -310,6 +344,7 @@ class Console:
         self.health: dict[str, Any] = {"at": 0.0, "rows": None}
         self.health_lock = asyncio.Lock()
         self.lease_events = 0
+        self.kv_byte_order: bool | None = None  # whether the keys sort in byte order (KV_BYTE_ORDER_SQL)
 
     # -- life cycle
 
@@ -669,6 +704,41 @@ async def kv(request: Request) -> dict[str, Any]:
     return _page(await c.rows(KV_SQL, params), limit, values_visible=c.check.user or c.check.superuser)
 
 
+def _upper(prefix: str) -> str:
+    """The least string, in byte order, greater than every string that begins with PREFIX (U+10FFFF... for '')."""
+    for i in range(len(prefix) - 1, -1, -1):
+        code = ord(prefix[i]) + 1
+        if code == 0xD800:
+            code = 0xE000  # surrogates are no characters
+        if code <= 0x10FFFF:
+            return prefix[:i] + chr(code)
+    return "\U0010ffff" * 8
+
+
+@_handler
+async def kv_tree(request: Request) -> dict[str, Any]:
+    """One level of the key-value store under PREFIX (which ends with / or is empty): its folders and keys."""
+    c = _console(request)
+    limit = _limit(request)
+    prefix = _param(request, "prefix")
+    if prefix and not prefix.endswith("/"):
+        raise _BadRequest("prefix must end with / (a folder), or be empty")
+    if c.kv_byte_order is None:
+        c.kv_byte_order = bool((await c.rows(KV_BYTE_ORDER_SQL))[0]["byte_order"])
+    if not c.kv_byte_order:
+        return {"supported": False, "rows": [], "more": False}
+    after = _param(request, "after") or prefix
+    if not after.startswith(prefix):
+        raise _BadRequest("after must begin with prefix")
+    # past the child AFTER: past every key of a folder, else the next key
+    first = after[:-1] + "0" if after != prefix and after.endswith("/") else after + "\x01"
+    params = {"prefix": prefix, "n": len(prefix), "first": first, "upper": _upper(prefix), "limit": limit}
+    rows = await c.rows(KV_TREE_SQL, params)
+    for row in rows:
+        row["folder"] = row["child"].endswith("/")
+    return _page(rows, limit, supported=True, values_visible=c.check.user or c.check.superuser)
+
+
 @_handler
 async def counters(request: Request) -> dict[str, Any]:
     c = _console(request)
@@ -886,6 +956,7 @@ def create_app(
         Route("/api/semaphores", semaphores),
         Route("/api/unaccounted", unaccounted),
         Route("/api/kv", kv),
+        Route("/api/kv/tree", kv_tree),
         Route("/api/counters", counters),
         Route("/api/rate_limits", rate_limits),
         Route("/api/grants", grants),

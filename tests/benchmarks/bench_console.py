@@ -163,6 +163,9 @@ def main() -> None:
                 # sorts before every id: the index is read to its end, the worst a search can cost
                 ("clients, search finding nothing (scans all)", "/api/clients?name=big&prefix=a"),
                 ("a client's subscriptions", f"/api/subscriptions?name=big&client={mid}"),
+                ("KV tree, the root level", "/api/kv/tree?limit=100"),
+                ("KV tree, cfg/ (100 folders, one probe each)", "/api/kv/tree?prefix=cfg/&limit=100"),
+                ("KV tree, cfg/42/ (its first 100 keys)", "/api/kv/tree?prefix=cfg/42/&limit=100"),
                 ("KV, first page (100 rows)", "/api/kv?limit=100"),
                 ("KV, a folder (cfg/42/)", "/api/kv?prefix=cfg/42/&limit=100"),
                 ("KV, a middle page", "/api/kv?after=cfg/5&limit=100"),
@@ -263,7 +266,7 @@ def _browser_times(base: str) -> list[tuple[str, float]]:
         for label, tab, selector, rows in (
             ("Brokers tab, holder and timeline", "brokers", "#timeline g.tl-event", 1),
             ("Clients tab, first 50 clients", "clients", "#clients tbody tr[data-client]", 50),
-            ("Key-value tab, first 100 keys as folders", "kv", "#kv tbody tr[data-key]", 1),
+            ("Key-value tab, the tree's root", "kv", "#kv tbody tr[data-key]", 1),
         ):
             times = []
             for _ in range(5):

@@ -414,17 +414,14 @@
 
   async function loadKV() {
     const prefix = state.kvPrefix;
+    if ((prefix === "" || prefix.endsWith("/")) && state.kvTree !== false) {
+      const tree = await api("kv/tree", { prefix: prefix, after: cursor("kv") || "", limit: 100 });
+      if (tree.supported) { drawKVTree(prefix, tree); return; }
+      state.kvTree = false;  // the keys do not sort in byte order here: group a flat page instead
+    }
     const page = await api("kv", { prefix: prefix, after: cursor("kv") || "", limit: 100 });
     $("kv-note").textContent = page.values_visible ? "" : "values hidden: the console's role is not a member of pgbroker_user";
-    const crumbs = clear($("kv-crumbs"));
-    crumbs.appendChild(el("a", { href: "#kv", class: "crumb", onclick: (ev) => { ev.preventDefault(); setPrefix(""); } }, "(root)"));
-    let acc = "";
-    for (const part of prefix.split("/").slice(0, -1)) {
-      acc += part + "/";
-      const target = acc;
-      crumbs.appendChild(document.createTextNode(" / "));
-      crumbs.appendChild(el("a", { href: "#kv", class: "crumb", onclick: (ev) => { ev.preventDefault(); setPrefix(target); } }, part));
-    }
+    drawCrumbs(prefix);
     const rows = [];
     const folders = new Map();
     for (const r of page.rows) {
@@ -448,6 +445,32 @@
     ], rows, (r) => ({ "data-key": r.folder || r.key }));
     pager("kv", page.more, page.rows.length ? page.rows[page.rows.length - 1].key : "", loadKV);
   }
+  function drawCrumbs(prefix) {
+    const crumbs = clear($("kv-crumbs"));
+    crumbs.appendChild(el("a", { href: "#kv", class: "crumb", onclick: (ev) => { ev.preventDefault(); setPrefix(""); } }, "(root)"));
+    let acc = "";
+    for (const part of prefix.split("/").slice(0, -1)) {
+      acc += part + "/";
+      const target = acc;
+      crumbs.appendChild(document.createTextNode(" / "));
+      crumbs.appendChild(el("a", { href: "#kv", class: "crumb", onclick: (ev) => { ev.preventDefault(); setPrefix(target); } }, part));
+    }
+  }
+
+  function drawKVTree(prefix, tree) {
+    $("kv-note").textContent = tree.values_visible ? "" : "values hidden: the console's role is not a member of pgbroker_user";
+    drawCrumbs(prefix);
+    const hidden = !tree.values_visible;
+    table("kv", [
+      ["key", (r) => r.folder ? el("a", { href: "#kv", class: "folder", onclick: (ev) => { ev.preventDefault(); setPrefix(r.child); } }, "▸ " + r.child.slice(prefix.length))
+        : el("span", { class: "kv-key" }, r.child.slice(prefix.length)), "name"],
+      ["value", (r) => r.folder ? "folder" : el("code", { class: "kv-value" }, hidden ? "(hidden)" : JSON.stringify(r.value))],
+      ["version", (r) => r.folder ? "" : r.version, "num"], ["updated", (r) => r.folder ? "" : when(r.updated_at)],
+      ["expires", (r) => r.folder ? "" : (r.expires_at ? when(r.expires_at) : "never")],
+    ], tree.rows, (r) => ({ "data-key": r.child }));
+    pager("kv", tree.more, tree.rows.length ? tree.rows[tree.rows.length - 1].child : "", loadKV);
+  }
+
   function setPrefix(prefix) { state.kvPrefix = prefix; $("kv-prefix").value = prefix; resetPager("kv"); loadKV(); }
 
   // -- counters, rate limits, grants, doctor ----------------------------------------------------------------
