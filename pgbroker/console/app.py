@@ -121,9 +121,9 @@ _KV_CHILD = """CASE WHEN pg_catalog.strpos(pg_catalog.substr({k}, %(n)s + 1), '/
             ELSE {k} END"""
 KV_TREE_SQL = f"""\
 WITH RECURSIVE c(child) AS (
-    (SELECT {_KV_CHILD.format(k="key")} FROM pgbroker.kv
-      WHERE key >= %(first)s AND key < %(upper)s
-      ORDER BY key LIMIT 1)
+    (SELECT {_KV_CHILD.format(k="e.key")} AS child FROM pgbroker.kv e
+      WHERE e.key >= %(first)s AND e.key < %(upper)s
+      ORDER BY e.key LIMIT 1)   -- e.key: a bare "key" would name the CASE, which PostgreSQL calls after its ELSE
   UNION ALL
     SELECT (SELECT {_KV_CHILD.format(k="k.key")} FROM pgbroker.kv k
              WHERE k.key >= CASE WHEN pg_catalog.right(c.child, 1) = '/'
@@ -133,10 +133,8 @@ WITH RECURSIVE c(child) AS (
              ORDER BY k.key LIMIT 1)
       FROM c WHERE c.child IS NOT NULL
 )
-SELECT c.child, e.version, e.updated_at, e.expires_at, e.value
-  FROM (SELECT child FROM c WHERE child IS NOT NULL LIMIT %(limit)s) c
-  LEFT JOIN pgbroker.kv e ON e.key = c.child AND pg_catalog.right(c.child, 1) <> '/'
- ORDER BY c.child"""
+SELECT child FROM c WHERE child IS NOT NULL LIMIT %(limit)s"""
+KV_ENTRIES_SQL = "SELECT key, version, updated_at, expires_at, value FROM pgbroker.kv WHERE key = ANY(%(keys)s)"
 COUNTERS_SQL = (
     "SELECT name, value, updated_at FROM pgbroker.counters WHERE name > %(after)s ORDER BY name LIMIT %(limit)s"
 )
@@ -733,9 +731,13 @@ async def kv_tree(request: Request) -> dict[str, Any]:
     # past the child AFTER: past every key of a folder, else the next key
     first = after[:-1] + "0" if after != prefix and after.endswith("/") else after + "\x01"
     params = {"prefix": prefix, "n": len(prefix), "first": first, "upper": _upper(prefix), "limit": limit}
-    rows = await c.rows(KV_TREE_SQL, params)
-    for row in rows:
-        row["folder"] = row["child"].endswith("/")
+    children = [r["child"] for r in await c.rows(KV_TREE_SQL, params)]
+    leaves = [child for child in children if not child.endswith("/")]
+    entries = {r["key"]: r for r in await c.rows(KV_ENTRIES_SQL, {"keys": leaves})} if leaves else {}
+    rows = []
+    for child in children:
+        entry = entries.get(child, {})
+        rows.append({"child": child, "folder": child.endswith("/"), **{k: v for k, v in entry.items() if k != "key"}})
     return _page(rows, limit, supported=True, values_visible=c.check.user or c.check.superuser)
 
 
