@@ -12,6 +12,7 @@
     pgbroker sweep      [--name N]              delete what earlier epochs left (pgbroker_broker)
     pgbroker metrics                            pgbroker.metrics in Prometheus' text format
     pgbroker doctor     [--json]                check the database and the connection path to it
+    pgbroker console    [--host H --port P] [--admin]   a live console in the browser (the console extra)
     pgbroker demo       [--url URL]             the lease at work (a throwaway server without --url)
     pgbroker versions-path                      the revisions directory, for your alembic version_locations
 
@@ -728,6 +729,38 @@ def sweep(url: str | None, name: str | None) -> int:
                 break
             total += done
     click.echo(f"pgbroker: swept {total} row(s) of earlier epochs")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# console (pgbroker/console/, the `console` extra)
+
+
+@cli.command(short_help="A live console in the browser (the console extra).")
+@_url_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8710, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
+@click.option(
+    "--admin",
+    is_flag=True,
+    help="Enable the write actions (hand a lease over, revoke a name grant), each confirmed; needs pgbroker_admin.",
+)
+@click.option("--allow-superuser", is_flag=True, help="Run even as a superuser (it needs only pgbroker_reader).")
+@_command
+def console(url: str | None, host: str, port: int, admin: bool, allow_superuser: bool) -> int:
+    """Serve a live console: each lease, its holder and epoch timeline, clients and subscriptions, the outbox,
+    locks, semaphores, the key-value store, counters, rate limits, name grants, squatters and the doctor's
+    findings, pushed to the page as they change.
+
+    Read-only unless --admin; connect with a role that has pgbroker_reader (a superuser is refused unless
+    --allow-superuser).  Needs pip install 'pgbroker[console]'.
+    """
+    url = _require_url(url)
+    try:
+        from pgbroker.console import serve
+    except ImportError as exc:
+        raise _Failed(f"the console needs its extra: pip install 'pgbroker[console]' ({exc})") from None
+    serve(url, host=host, port=port, admin=admin, allow_superuser=allow_superuser, announce=click.echo)
     return EXIT_OK
 
 
