@@ -414,6 +414,8 @@ def _run_alembic(url: str, action: Callable[[Config], object], *, initech: bool 
     cfg.attributes["rights_checked"] = True
     try:
         action(cfg)
+    except psycopg.Error as exc:  # from a revision's SQL, run on the driver's cursor
+        raise server_error(url, exc) from exc
     except sqlalchemy.exc.DBAPIError as exc:
         if isinstance(exc.orig, psycopg.Error):
             raise server_error(url, exc.orig) from exc
