@@ -9,6 +9,7 @@ pgbroker/README.md).
 
 from pgbroker.broker import AsyncBroker, Broker, Keepalive, Notification
 from pgbroker.errors import (
+    DatabaseError,
     InvalidArgument,
     LeaseHeld,
     LeaseLost,
@@ -59,6 +60,7 @@ __all__ = [
     "Broker",
     "Keepalive",
     "Notification",
+    "DatabaseError",
     "InvalidArgument",
     "LeaseHeld",
     "OwnerMismatch",

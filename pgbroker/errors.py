@@ -35,6 +35,7 @@ __all__ = [
     "NotWatched",
     "NotAcquired",
     "PoolerNotSupported",
+    "DatabaseError",
     "translate",
     "is_session_lost",
     "schema_error",
@@ -186,6 +187,14 @@ class SchemaMismatch(SchemaMissing):
     """The installed schema is not the version this package expects: run ``pgbroker migrate``."""
 
 
+class DatabaseError(PgBrokerError):
+    """Any other error of PostgreSQL or of the connection to it, which no class above names: an SQLSTATE
+    pgbroker's SQL does not raise itself (``sqlstate``, ``detail`` and ``hint`` as the server gave them), or a
+    connection that failed or closed (``sqlstate`` of class 08, or None).  The driver's error is its
+    ``__cause__``; no raw psycopg error leaves the public API.
+    """
+
+
 _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "55P03": LeaseHeld,
     "PB003": OwnerMismatch,
@@ -217,13 +226,12 @@ _LOSS_SQLSTATE = re.compile(r"PB001$|08|57P")
 
 
 def translate(exc: psycopg.Error) -> Exception:
-    """The pgbroker exception for a psycopg error, or the error itself when it is not one of ours."""
+    """The pgbroker exception for a psycopg error (:class:`DatabaseError` for one no other class names)."""
     sqlstate = getattr(exc, "sqlstate", None)
-    cls = _BY_SQLSTATE.get(sqlstate or "")
-    if cls is None:
-        return exc
+    cls = _BY_SQLSTATE.get(sqlstate or "", DatabaseError)
     diag = exc.diag
-    new = cls(diag.message_primary or str(exc), sqlstate=sqlstate, detail=diag.message_detail, hint=diag.message_hint)
+    message = diag.message_primary or str(exc).strip() or type(exc).__name__
+    new = cls(message, sqlstate=sqlstate, detail=diag.message_detail, hint=diag.message_hint)
     new.__cause__ = exc
     return new
 
