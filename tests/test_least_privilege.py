@@ -10,7 +10,8 @@ must not be there).  Each profile of installing role is set up in turn, installe
 - d: a, the four pgbroker_* roles created beforehand by a superuser;
 - e: a, the database owned by another role, the installer granted CREATE on it.
 
-Profile b, the least, is also driven through every public function, view, Python class and CLI command.
+Profile b, the least, is also driven through every public function, view, Python class and CLI command (those
+tests take the fixture with the one parameter b).
 """
 
 from __future__ import annotations
@@ -361,9 +362,8 @@ CALLS: list[tuple[str, str]] = [
 ]
 
 
+@pytest.mark.parametrize("profile", ["b"], indirect=True)
 def test_every_public_function_and_view_by_login_roles(profile: Profile):
-    if profile.name != "b":
-        pytest.skip("the whole API runs on the least profile, b")
     with contextlib.ExitStack() as stack:
         conns = {r: stack.enter_context(profile.connect(r, f"all-{r}")) for r in ("reader", "broker", "user", "admin")}
         conns["none"] = stack.enter_context(profile.connect("none"))
@@ -399,9 +399,8 @@ def test_every_public_function_and_view_by_login_roles(profile: Profile):
         assert _lease(conns["reader"], "view")["alive"] is True
 
 
+@pytest.mark.parametrize("profile", ["b"], indirect=True)
 def test_python_classes_by_login_roles(profile: Profile):
-    if profile.name != "b":
-        pytest.skip("the Python classes run on the least profile, b")
     url = profile.url(profile.login("broker"))
     with pgbroker.Broker(url, "py", application_name="py-broker") as broker:
         epoch = broker.epoch
@@ -456,6 +455,7 @@ def test_python_classes_by_login_roles(profile: Profile):
         assert pgbroker.RateLimiter(user, "pr", 10, 1.0).allow().allowed is True
 
 
+@pytest.mark.parametrize("profile", ["b"], indirect=True)
 @pytest.mark.parametrize(
     ("role", "args"),
     [
@@ -475,17 +475,14 @@ def test_python_classes_by_login_roles(profile: Profile):
     ],
 )
 def test_cli_commands_by_login_roles(profile: Profile, role: str | None, args: list[str]):
-    if profile.name != "b":
-        pytest.skip("the command line runs on the least profile, b")
     done = _cli(profile, *args, user=None if role is None else profile.login(role))
     # doctor exits 3 when it finds something to fix (here: the brokers earlier tests left dead).
     assert done.returncode in ((0, 3) if args == ["doctor"] else (0,)), done.stdout + done.stderr
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("profile", ["b"], indirect=True)
 def test_the_cli_shows_a_refusal_with_its_hint(profile: Profile):
-    if profile.name != "b":
-        pytest.skip("once, on profile b")
     _su(
         profile.srv,
         "CREATE SCHEMA cli",
@@ -554,10 +551,9 @@ def test_an_install_without_a_required_right_changes_nothing(server: EmbeddedPos
         _su(server, "DROP ROLE IF EXISTS someone", "DROP ROLE IF EXISTS inst_x")
 
 
+@pytest.mark.parametrize("profile", ["b"], indirect=True)
 def test_no_thread_or_connection_left(profile: Profile):
     """The module's own hygiene: every connection it opened as a login role is closed."""
-    if profile.name != "b":
-        pytest.skip("once")
     with psycopg.connect(profile.srv.url_for(profile.db), autocommit=True) as su:
         assert _wait_for(
             lambda: (
