@@ -300,28 +300,35 @@ COMMENT ON FUNCTION pgbroker._check_name(text) IS
 -- "held" lock never, so pid reuse does not fool it.
 CREATE FUNCTION pgbroker._lease_alive(p_pid integer, p_backend_start timestamptz, p_lock_key integer, p_epoch bigint)
 RETURNS boolean
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT p_pid IS NOT NULL
-       AND CASE WHEN p_pid = pg_catalog.pg_backend_pid()
-                THEN p_backend_start = pgbroker._my_backend_start()
-                     AND EXISTS (SELECT FROM pg_catalog.pg_locks l
-                                  WHERE l.locktype = 'advisory'
-                                    AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
-                                    AND l.classid = pgbroker._lock_class()::oid
-                                    AND l.objid = p_lock_key::oid
-                                    AND l.objsubid = 2
-                                    AND l.granted
-                                    AND l.pid = p_pid)
-                ELSE (SELECT count(DISTINCT l.classid) = 2 FROM pg_catalog.pg_locks l
-                       WHERE l.locktype = 'advisory'
-                         AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
-                         AND ((l.classid = pgbroker._lock_class()::oid AND l.objid = p_lock_key::oid)
-                              OR (l.classid = pgbroker._lock_class_alive()::oid AND l.objid = pgbroker._epoch_key(p_epoch)::oid))
-                         AND l.objsubid = 2
-                         AND l.granted
-                         AND l.pid = p_pid) END
+BEGIN
+    -- PL/pgSQL, not SQL: its statements' plans are kept for the session (a
+    -- SQL function with SET is planned anew at every call).
+    IF p_pid IS NULL THEN
+        RETURN false;
+    END IF;
+    IF p_pid = pg_backend_pid() THEN
+        RETURN coalesce(p_backend_start = pgbroker._my_backend_start(), false)
+               AND EXISTS (SELECT FROM pg_locks l
+                            WHERE l.locktype = 'advisory'
+                              AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+                              AND l.classid = pgbroker._lock_class()::oid
+                              AND l.objid = p_lock_key::oid
+                              AND l.objsubid = 2
+                              AND l.granted
+                              AND l.pid = p_pid);
+    END IF;
+    RETURN (SELECT count(DISTINCT l.classid) = 2 FROM pg_locks l
+             WHERE l.locktype = 'advisory'
+               AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+               AND ((l.classid = pgbroker._lock_class()::oid AND l.objid = p_lock_key::oid)
+                    OR (l.classid = pgbroker._lock_class_alive()::oid AND l.objid = pgbroker._epoch_key(p_epoch)::oid))
+               AND l.objsubid = 2
+               AND l.granted
+               AND l.pid = p_pid);
+END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_alive(integer, timestamptz, integer, bigint) IS
     'Internal: true when session p_pid (identity p_backend_start) holds the advisory lock p_lock_key (and, another session, the held lock of epoch p_epoch).';
