@@ -964,7 +964,8 @@ def _rights_findings(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
 def doctor(url: str | None, as_json: bool) -> int:
     """Check a database and the connection to it; print what to fix (exit code 3 when something needs fixing).
 
-    Checks: schema version against this package, roles and grants, keepalive
+    Checks: schema version against this package, roles and grants, the rights of the role that installed
+    pgbroker (what each missing one disables), keepalive
     settings, a transaction-mode pooler on the way, NOTIFY queue usage,
     outbox lag, triggers of watched tables, brokers whose holder is gone, what is left to sweep, and
     sessions holding pgbroker's locks that no pgbroker record accounts for (squatters).
