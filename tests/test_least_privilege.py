@@ -116,6 +116,12 @@ def profile(request: pytest.FixtureRequest, server: EmbeddedPostgres) -> Iterato
                 if granted:
                     conn.execute(f"GRANT {granted} TO {login}")
         yield prof
+        # A downgrade by the installer removes what the install created: the schema, and the roles it made.
+        install.downgrade(prof.url())
+        with psycopg.connect(server.url_for(db), autocommit=True) as su:
+            assert su.execute("SELECT to_regnamespace('pgbroker')").fetchone()[0] is None
+            left = {r[0] for r in su.execute("SELECT rolname FROM pg_roles WHERE rolname LIKE 'pgbroker%'")}
+        assert left == (set(PGBROKER_ROLES) if spec["roles_first"] else set())
     finally:
         _su(server, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         drops = [f"DROP ROLE IF EXISTS lp_{name}_{r}" for r in ("reader", "broker", "user", "admin", "none", "owner")]
