@@ -8,7 +8,9 @@ pgbroker's version table is ``pgbroker.alembic_version``, so a host
 application's own ``alembic_version`` is never touched.  The schema is
 created only by commands that change the database (``upgrade``, ``stamp``);
 ``alembic current`` only looks.  After a downgrade to base, the version
-table and the (then empty) schema are dropped too.
+table and the (then empty) schema are dropped too.  A first install checks
+the installing role's rights first (one line per missing right) and runs in
+one transaction: when it fails, nothing is left behind.
 
 A bad URL, an unreachable server or a missing database ends the command
 with one line saying so, not a traceback.
@@ -34,6 +36,7 @@ from pgbroker.install import (
     connection_error,
     describe,
 )
+from pgbroker.install import _check_rights as install_check_rights
 
 config = context.config
 if config.config_file_name is not None:
@@ -63,6 +66,22 @@ def _has_version_table(connection: sqlalchemy.Connection) -> bool:
     return found is not None
 
 
+def _check_rights(url: str, connection: sqlalchemy.Connection) -> None:
+    """Before a first install: one line per right the role lacks; stop, with nothing changed, if one is required."""
+    rights = install_check_rights(connection.connection.dbapi_connection)
+    connection.rollback()
+    for right in rights:
+        if not right.held:
+            log.warning("pgbroker: %s", right.line())
+    essential = [r for r in rights if r.essential and not r.held]
+    if essential:
+        raise SystemExit(
+            f"pgbroker: cannot install pgbroker in {describe(url)}: the installing role lacks "
+            + ", ".join(r.right for r in essential)
+            + " (see above). Nothing was changed."
+        )
+
+
 def run_migrations_online() -> None:
     url = _url()
     try:
@@ -83,6 +102,7 @@ def run_migrations_online() -> None:
                 transactional_ddl=True,
             )
             looking_only = bool(context.get_context().opts.get("dont_mutate"))  # alembic current
+            create_schema = False
             if not _has_version_table(connection):
                 elsewhere = _schema_version(connection)
                 if elsewhere is not None:
@@ -98,9 +118,13 @@ def run_migrations_online() -> None:
                 if looking_only:
                     log.info("pgbroker is not installed in %s (alembic upgrade head installs it)", describe(url))
                     return
-                connection.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {VERSION_TABLE_SCHEMA}")
-                connection.commit()
+                if not config.attributes.get("rights_checked"):
+                    _check_rights(url, connection)
+                create_schema = True
+            # One transaction: a failed install leaves nothing behind, not even the schema.
             with context.begin_transaction():
+                if create_schema:
+                    connection.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {VERSION_TABLE_SCHEMA}")
                 context.run_migrations()
                 # At base: remove the version table and the schema if nothing else is in it.
                 connection.exec_driver_sql(

@@ -9,7 +9,7 @@ pgbroker/README.md).
 
 from pgbroker.broker import AsyncBroker, Broker, Keepalive, Notification, Registration, async_run_broker, run_broker
 from pgbroker.errors import (
-    DriverError,
+    DatabaseError,
     InvalidArgument,
     LeaseHeld,
     LeaseInDoubt,
@@ -64,7 +64,7 @@ __all__ = [
     "Registration",
     "run_broker",
     "async_run_broker",
-    "DriverError",
+    "DatabaseError",
     "LeaseInDoubt",
     "InvalidArgument",
     "LeaseHeld",

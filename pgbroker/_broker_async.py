@@ -83,7 +83,7 @@ from pgbroker.errors import (
     PgBrokerError,
     TableBusy,
     schema_error,
-    wrap_driver_error,
+    translate,
 )
 
 __all__ = ["AsyncBroker", "async_run_broker"]
@@ -466,7 +466,7 @@ class AsyncBroker(_BrokerBase):
           (session gone, released, a newer epoch), ``__cause__`` the error
           that proved it;
         - another :class:`PgBrokerError` for any other failure (a row it
-          could not read, an unexpected server error: :class:`DriverError`),
+          could not read, an unexpected server error: :class:`DatabaseError`),
           ``__cause__`` the driver's error.  The lease may still be held.
         """
         channel = await self._scalar(CHANNEL_SQL, {"name": self.name})
@@ -564,7 +564,7 @@ class AsyncBroker(_BrokerBase):
             return conn
         except psycopg.Error as exc:
             self._registry_slots.release()
-            raise wrap_driver_error(exc) from exc
+            raise translate(exc) from exc
         except BaseException:
             self._registry_slots.release()
             raise
@@ -611,7 +611,7 @@ class AsyncBroker(_BrokerBase):
                 if conn is not None and conn.broken:
                     await self._close_quietly(conn)
                     self._reader = None
-                raise wrap_driver_error(exc) from exc
+                raise translate(exc) from exc
         return out
 
     async def _with_rows(self, batch: list[Notification]) -> list[Notification]:

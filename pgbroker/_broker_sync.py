@@ -70,7 +70,7 @@ from pgbroker.errors import (
     PgBrokerError,
     TableBusy,
     schema_error,
-    wrap_driver_error,
+    translate,
 )
 
 __all__ = ["Broker", "run_broker"]
@@ -453,7 +453,7 @@ class Broker(_BrokerBase):
           (session gone, released, a newer epoch), ``__cause__`` the error
           that proved it;
         - another :class:`PgBrokerError` for any other failure (a row it
-          could not read, an unexpected server error: :class:`DriverError`),
+          could not read, an unexpected server error: :class:`DatabaseError`),
           ``__cause__`` the driver's error.  The lease may still be held.
         """
         channel = self._scalar(CHANNEL_SQL, {"name": self.name})
@@ -551,7 +551,7 @@ class Broker(_BrokerBase):
             return conn
         except psycopg.Error as exc:
             self._registry_slots.release()
-            raise wrap_driver_error(exc) from exc
+            raise translate(exc) from exc
         except BaseException:
             self._registry_slots.release()
             raise
@@ -598,7 +598,7 @@ class Broker(_BrokerBase):
                 if conn is not None and conn.broken:
                     self._close_quietly(conn)
                     self._reader = None
-                raise wrap_driver_error(exc) from exc
+                raise translate(exc) from exc
         return out
 
     def _with_rows(self, batch: list[Notification]) -> list[Notification]:

@@ -36,7 +36,6 @@ from pgbroker.errors import (
     is_session_lost,
     schema_mismatch,
     translate,
-    wrap_driver_error,
 )
 from pgbroker.install import SCHEMA_VERSION, libpq_url
 
@@ -570,14 +569,14 @@ class _BrokerBase(abc.ABC):
             error = LeaseLost(str(self._lost), sqlstate=self._lost.sqlstate)
             error.__cause__ = exc
             return error
-        return wrap_driver_error(exc)
+        return translate(exc)
 
     def _classify_registry(self, exc: psycopg.Error) -> Exception:
         """The exception for a failed call on a registry connection (fenced by ``epoch``, not the lease session).
 
         PB002 (the epoch is over: a newer one exists, or its holder's session
         is gone) is the final loss of the lease; a lost registry connection
-        is not (the lease session is another one): :class:`DriverError`.
+        is not (the lease session is another one): :class:`DatabaseError`.
         """
         if getattr(exc, "sqlstate", None) == "PB002":
             if self._state == "held":
@@ -585,7 +584,7 @@ class _BrokerBase(abc.ABC):
             error = LeaseLost(str(self._lost or exc), sqlstate="PB002")
             error.__cause__ = exc
             return error
-        return wrap_driver_error(exc)
+        return translate(exc)
 
     def _check_session(self, login_pid: int, pids: list[int]) -> None:
         """Refuse a connection that does not keep its server session (a pooler; see ``pooler_verdict``).

@@ -354,16 +354,32 @@ def _command(func: Callable[..., int | None]) -> Callable[..., int]:
             error = translate(exc)
             message = str(error).strip().splitlines()[0] if str(error).strip() else ""
             click.echo(f"pgbroker {name}: {type(error).__name__}: {message}", err=True)
+            _echo_detail_hint(error)
             return EXIT_FAILURE
         except PgBrokerError as exc:  # InstallError: bad URL, unreachable server, missing database
             click.echo(f"pgbroker {name}: {exc}", err=True)
+            _echo_detail_hint(exc)
             return EXIT_FAILURE
         except SQLAlchemyError as exc:
-            message = str(getattr(exc, "orig", None) or exc).strip()
+            orig = getattr(exc, "orig", None)
+            if isinstance(orig, psycopg.Error):
+                error = translate(orig)
+                message = orig.diag.message_primary or str(orig).strip()
+                click.echo(f"pgbroker {name}: {type(error).__name__}: {message}", err=True)
+                _echo_detail_hint(error)
+                return EXIT_FAILURE
+            message = str(orig or exc).strip()
             click.echo(f"pgbroker {name}: {type(exc).__name__}: {message}", err=True)
             return EXIT_FAILURE
 
     return run
+
+
+def _echo_detail_hint(error: BaseException) -> None:
+    """A PostgreSQL error's DETAIL and HINT, each on a line of its own, as psql shows them."""
+    for label, text in (("DETAIL", getattr(error, "detail", None)), ("HINT", getattr(error, "hint", None))):
+        if text:
+            click.echo(f"{label}:  {text}", err=True)
 
 
 def _url_option(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -417,13 +433,36 @@ def cli() -> None:
 @_url_option
 @click.option("--revision", default="heads", show_default=True, help="Target revision.")
 @click.option("--no-initech", is_flag=True, help="Install the core without the reference table initech.objects.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Only check the installing role's rights: one line per missing right; exit 1 when a required one is missing.",
+)
 @_command
-def migrate(url: str | None, revision: str, no_initech: bool) -> int:
-    """Install or upgrade pgbroker."""
+def migrate(url: str | None, revision: str, no_initech: bool, check: bool) -> int:
+    """Install or upgrade pgbroker (first checking the installing role's rights)."""
     from pgbroker import install
 
     url = _require_url(url)
-    done = install.migrate(url, revision, initech=not no_initech)
+    if check:
+        rights = install.check_rights(url)
+        missing = [r for r in rights if not r.held]
+        for right in missing:
+            click.echo(f"pgbroker: {right.line()}")
+        required = [r for r in missing if r.essential]
+        who = _connected_role(url)
+        if required:
+            where = install.describe(url)
+            click.echo(f"pgbroker: {who} cannot install pgbroker in {where}: grant what is required above")
+            return EXIT_FAILURE
+        click.echo(
+            f"pgbroker: {who} can install pgbroker in {install.describe(url)}"
+            + (f" ({len(missing)} optional right(s) missing, see above)" if missing else ", with every right it uses")
+        )
+        return EXIT_OK
+    done = install.migrate(
+        url, revision, initech=not no_initech, report=lambda right: click.echo(f"pgbroker: {right.line()}", err=True)
+    )
     where = install.describe(url)
     if done.elsewhere:
         click.echo(
@@ -436,6 +475,13 @@ def migrate(url: str | None, revision: str, no_initech: bool) -> int:
             f"(schema version {done.schema_version or 'none'})"
         )
     return EXIT_OK
+
+
+def _connected_role(url: str) -> str:
+    from pgbroker import install
+
+    with install._connect(url) as conn:
+        return conn.execute("SELECT current_user").fetchone()[0]
 
 
 @cli.command()
@@ -903,6 +949,7 @@ def _doctor_findings(url: str) -> list[dict[str, Any]]:
             )
             return findings
         findings.append(_finding("ok", "roles", user, f"{user} is a member of {', '.join(member_of)}"))
+        findings.extend(_rights_findings(conn))
         public = [row[0] for row in conn.execute(PUBLIC_EXECUTE_SQL)]
         if public:
             findings.append(
@@ -929,6 +976,20 @@ def _doctor_findings(url: str) -> list[dict[str, Any]]:
     return findings
 
 
+def _rights_findings(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+    """The rights of the role pgbroker's functions run as (schema pgbroker's owner): what each missing one disables."""
+    from pgbroker import install
+
+    owner = install.schema_owner(conn)
+    if owner is None:
+        return []
+    rights = install._check_rights(conn, owner)
+    missing = [r for r in rights if not r.held and not r.essential]
+    if not missing:
+        return [_finding("ok", "rights", owner, f"{owner}, which owns pgbroker's functions, has every right they use")]
+    return [_finding("warn", "rights", owner, f"{owner} lacks {r.right}: {r.disables}", r.grant) for r in missing]
+
+
 @cli.command(short_help="Check a database and the connection to it; say what to fix.")
 @_url_option
 @_json_option
@@ -936,7 +997,8 @@ def _doctor_findings(url: str) -> list[dict[str, Any]]:
 def doctor(url: str | None, as_json: bool) -> int:
     """Check a database and the connection to it; print what to fix (exit code 3 when something needs fixing).
 
-    Checks: schema version against this package, roles and grants, keepalive
+    Checks: schema version against this package, roles and grants, the rights of the role that installed
+    pgbroker (what each missing one disables), keepalive
     settings, a transaction-mode pooler on the way, NOTIFY queue usage,
     outbox lag, triggers of watched tables, brokers whose holder is gone, what is left to sweep, and
     sessions holding pgbroker's locks that no pgbroker record accounts for (squatters).

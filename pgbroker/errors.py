@@ -29,7 +29,6 @@ __all__ = [
     "StaleEpoch",
     "LeaseLost",
     "LeaseInDoubt",
-    "DriverError",
     "PermissionDenied",
     "InvalidArgument",
     "UnknownClient",
@@ -37,6 +36,7 @@ __all__ = [
     "NotWatched",
     "NotAcquired",
     "PoolerNotSupported",
+    "DatabaseError",
     "translate",
     "is_session_lost",
     "schema_error",
@@ -137,14 +137,6 @@ class LeaseInDoubt(LeaseLost):
     final = False
 
 
-class DriverError(PgBrokerError):
-    """A driver or server error with no pgbroker meaning of its own (a network failure, a server restart, a
-    statement cancelled...), raised where pgbroker promises nothing but :class:`PgBrokerError`s.
-
-    ``__cause__`` is the psycopg error; ``sqlstate`` its code (None for a client-side failure).
-    """
-
-
 class PermissionDenied(PgBrokerError):
     """42501: the role lacks the pgbroker role the operation needs (for example takeover), or a name
     grant refuses it the name.
@@ -220,6 +212,14 @@ class SchemaMismatch(SchemaMissing):
     """The installed schema is not the version this package expects: run ``pgbroker migrate``."""
 
 
+class DatabaseError(PgBrokerError):
+    """Any other error of PostgreSQL or of the connection to it, which no class above names: an SQLSTATE
+    pgbroker's SQL does not raise itself (``sqlstate``, ``detail`` and ``hint`` as the server gave them), or a
+    connection that failed or closed (``sqlstate`` of class 08, or None).  The driver's error is its
+    ``__cause__``; no raw psycopg error leaves the public API.
+    """
+
+
 _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "55P03": LeaseHeld,
     "PB003": OwnerMismatch,
@@ -251,31 +251,14 @@ _LOSS_SQLSTATE = re.compile(r"PB001$|08|57P")
 
 
 def translate(exc: psycopg.Error) -> Exception:
-    """The pgbroker exception for a psycopg error, or the error itself when it is not one of ours."""
+    """The pgbroker exception for a psycopg error (:class:`DatabaseError` for one no other class names)."""
     sqlstate = getattr(exc, "sqlstate", None)
-    cls = _BY_SQLSTATE.get(sqlstate or "")
-    if cls is None:
-        return exc
+    cls = _BY_SQLSTATE.get(sqlstate or "", DatabaseError)
     diag = exc.diag
-    new = cls(diag.message_primary or str(exc), sqlstate=sqlstate, detail=diag.message_detail, hint=diag.message_hint)
+    message = diag.message_primary or str(exc).strip() or type(exc).__name__
+    new = cls(message, sqlstate=sqlstate, detail=diag.message_detail, hint=diag.message_hint)
     new.__cause__ = exc
     return new
-
-
-def wrap_driver_error(exc: psycopg.Error) -> PgBrokerError:
-    """:func:`translate`, with an error that has no pgbroker class wrapped in a :class:`DriverError` (chained)."""
-    new = translate(exc)
-    if isinstance(new, PgBrokerError):
-        return new
-    diag = getattr(exc, "diag", None)
-    wrapped = DriverError(
-        str(exc).strip() or type(exc).__name__,
-        sqlstate=getattr(exc, "sqlstate", None),
-        detail=getattr(diag, "message_detail", None),
-        hint=getattr(diag, "message_hint", None),
-    )
-    wrapped.__cause__ = exc
-    return wrapped
 
 
 def is_session_lost(conn: psycopg.BaseConnection[Any], exc: psycopg.Error) -> bool:

@@ -40,6 +40,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "InstallError",
     "Installation",
+    "Right",
+    "check_rights",
     "migrate",
     "downgrade",
     "current_revision",
@@ -218,11 +220,172 @@ def installed_version(url: str) -> str | None:
     return installation(url).schema_version
 
 
-def migrate(url: str, revision: str = "heads", *, initech: bool = True) -> Installation:
+@dataclass(frozen=True)
+class Right:
+    """One right the role that installs pgbroker (owns its functions) needs.
+
+    ``right``: what it is; ``held``: whether the role has it; ``essential``:
+    the install cannot proceed without it; ``disables``: what does not work
+    without it; ``grant``: the statement (or step) that gives it.
+    """
+
+    right: str
+    held: bool
+    essential: bool
+    disables: str
+    grant: str
+
+    def line(self) -> str:
+        """One line for a missing right: what it is, what it disables, what to grant."""
+        kind = "missing (required)" if self.essential else "missing"
+        return f"{kind}: {self.right}: {self.disables}; to grant: {self.grant}"
+
+
+# Everything is read through functions that take the role as an argument, so
+# that the same query judges the connected role (before an install) or the
+# owner of schema pgbroker (pgbroker doctor on an installed database).
+_RIGHTS_SQL = """
+SELECT r.rolname, r.rolsuper, r.rolcreaterole,
+       pg_catalog.current_database() AS db,
+       pg_catalog.current_setting('server_version_num')::integer AS version,
+       pg_catalog.has_database_privilege(r.oid, pg_catalog.current_database(), 'CREATE') AS db_create,
+       pg_catalog.pg_has_role(r.oid, d.datdba, 'USAGE') AS db_owner,
+       d.datdba::regrole::text AS db_owner_name,
+       pg_catalog.pg_has_role(r.oid, 'pg_signal_backend', 'USAGE') AS signal,
+       pg_catalog.pg_has_role(r.oid, 'pg_read_all_stats', 'USAGE') AS read_stats,
+       ARRAY(SELECT x.rolname::text FROM pg_catalog.pg_roles x
+              WHERE x.rolname IN ('pgbroker_reader', 'pgbroker_broker', 'pgbroker_user', 'pgbroker_admin')
+              ORDER BY 1) AS existing,
+       ARRAY(SELECT x.rolname::text FROM pg_catalog.pg_roles x
+              WHERE x.rolname IN ('pgbroker_reader', 'pgbroker_broker', 'pgbroker_user', 'pgbroker_admin')
+                AND NOT r.rolsuper
+                AND CASE WHEN pg_catalog.current_setting('server_version_num')::integer >= 160000
+                         THEN NOT pg_catalog.pg_has_role(r.oid, x.oid, 'MEMBER WITH ADMIN OPTION')
+                         ELSE NOT r.rolcreaterole
+                              AND NOT pg_catalog.pg_has_role(r.oid, x.oid, 'MEMBER WITH ADMIN OPTION')
+                    END
+              ORDER BY 1) AS no_admin
+  FROM pg_catalog.pg_roles r, pg_catalog.pg_database d
+ WHERE r.rolname = coalesce(%s, current_user) AND d.datname = pg_catalog.current_database()
+"""
+
+ROLES = ("pgbroker_admin", "pgbroker_broker", "pgbroker_reader", "pgbroker_user")
+
+
+def _check_rights(conn: psycopg.Connection, role: str | None = None) -> list[Right]:
+    """The rights ``role`` (default: the connected role) needs to install and run pgbroker in this database."""
+    from psycopg.rows import dict_row
+
+    with conn.cursor(row_factory=dict_row) as cur:
+        r = cur.execute(_RIGHTS_SQL, (role,)).fetchone()
+    if r is None:
+        raise InstallError(f"no role named {role!r}")
+    who, db = r["rolname"], r["db"]
+    quoted_who = _quote_ident(who)
+    missing_roles = [x for x in ROLES if x not in r["existing"]]
+    rights = [
+        Right(
+            f"CREATE on database {db}",
+            r["rolsuper"] or r["db_create"],
+            True,
+            "it creates the schema pgbroker (and initech)",
+            f"as the database's owner: GRANT CREATE ON DATABASE {_quote_ident(db)} TO {quoted_who};",
+        ),
+        Right(
+            "CREATEROLE",
+            r["rolsuper"] or r["rolcreaterole"] or not missing_roles,
+            True,
+            f"it creates the missing roles {', '.join(missing_roles) or '(none)'}",
+            f"as a superuser: ALTER ROLE {quoted_who} CREATEROLE; or create them first (CREATE ROLE ... NOLOGIN)",
+        ),
+        Right(
+            f"ownership of database {db} (owned by {r['db_owner_name']})",
+            r["rolsuper"] or r["db_owner"],
+            False,
+            "pgbroker is not added to the database's search_path: qualify its names (pgbroker.broker_claim()), "
+            'or per role: ALTER ROLE app_role SET search_path = "$user", public, pgbroker',
+            f"ALTER DATABASE {_quote_ident(db)} OWNER TO {quoted_who}; (optional)",
+        ),
+        Right(
+            "pg_signal_backend",
+            r["rolsuper"] or r["signal"],
+            False,
+            "takeover => true and stale_after cannot end a holder's session of another role (42501; "
+            f"sessions of {who} itself they can end)",
+            f"as a superuser: GRANT pg_signal_backend TO {quoted_who};",
+        ),
+        Right(
+            "pg_read_all_stats",
+            r["rolsuper"] or r["read_stats"],
+            False,
+            "other roles' application_name, session start and state are NULL in the views locks and "
+            "unaccounted_locks (nothing else depends on it)",
+            f"as a superuser: GRANT pg_read_all_stats TO {quoted_who}; (optional)",
+        ),
+    ]
+    for name in r["no_admin"]:
+        rights.append(
+            Right(
+                f"ADMIN OPTION on role {name}",
+                False,
+                False,
+                f"{who} cannot grant {name} to your login roles (a superuser must), and pgbroker_admin gets "
+                f"{name}'s privileges directly instead of its membership",
+                f"as a superuser: GRANT {name} TO {quoted_who} WITH ADMIN OPTION;",
+            )
+        )
+    return rights
+
+
+def _quote_ident(name: str) -> str:
+    return name if name.isidentifier() and name.islower() else '"' + name.replace('"', '""') + '"'
+
+
+def check_rights(url: str, role: str | None = None) -> list[Right]:
+    """The rights the installing role needs, held or not, for the database at ``url``.
+
+    ``role`` (default: the connected role) is the role to judge; on an
+    installed database, the owner of schema pgbroker is the one whose rights
+    count (``pgbroker doctor`` judges it).
+    """
+    with _connect(url) as conn:
+        return _check_rights(conn, role)
+
+
+def schema_owner(conn: psycopg.Connection) -> str | None:
+    """The owner of schema pgbroker (whose rights pgbroker's functions run with), or None."""
+    row = conn.execute(
+        "SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = 'pgbroker'"
+    ).fetchone()
+    return row[0] if row else None
+
+
+def _refuse_if_essential_missing(url: str, rights: list[Right]) -> None:
+    essential = [r for r in rights if r.essential and not r.held]
+    if essential:
+        raise InstallError(
+            f"cannot install pgbroker in {describe(url)}: the installing role lacks "
+            + "; ".join(f"{r.right} ({r.disables}; to grant: {r.grant})" for r in essential)
+            + ". Nothing was changed."
+        )
+
+
+def migrate(
+    url: str,
+    revision: str = "heads",
+    *,
+    initech: bool = True,
+    report: Callable[[Right], object] | None = None,
+) -> Installation:
     """Upgrade the database at ``url`` to ``revision`` (all of pgbroker by default); return what it holds then.
 
     ``initech=False`` installs the core without the reference table
     ``initech.objects`` (its revision then records itself and does nothing).
+
+    Before a first install it checks the connected role's rights
+    (:func:`check_rights`): ``report`` is called with each one it lacks, and
+    :class:`InstallError` is raised, with nothing changed, when one it
+    cannot do without is missing.  A failed install leaves nothing behind.
 
     When pgbroker was installed through an application's alembic environment
     (its revisions recorded in the application's version table), there is
@@ -231,7 +394,13 @@ def migrate(url: str, revision: str = "heads", *, initech: bool = True) -> Insta
     """
     from alembic import command
 
-    found = installation(url)
+    with _connect(url) as conn:
+        found = _installation(conn)
+        rights = _check_rights(conn) if not found.installed else []
+    for right in rights:
+        if not right.held and report is not None:
+            report(right)
+    _refuse_if_essential_missing(url, rights)
     if found.elsewhere:
         if found.schema_version == SCHEMA_VERSION:
             return found
@@ -250,10 +419,33 @@ def _run_alembic(url: str, action: Callable[[Config], object], *, initech: bool 
     pgbroker's alembic environment ends the ``alembic`` command line with SystemExit and a one-line reason; a
     library call raises :class:`InstallError` with it instead (``except Exception`` does not catch SystemExit).
     """
+    import psycopg
+    import sqlalchemy.exc
+
+    cfg = _config(url, initech=initech)
+    cfg.attributes["rights_checked"] = True
     try:
-        action(_config(url, initech=initech))
+        action(cfg)
     except SystemExit as exc:
         raise InstallError(str(exc.code).removeprefix("pgbroker: ")) from None
+    except psycopg.Error as exc:  # from a revision's SQL, run on the driver's cursor
+        raise server_error(url, exc) from exc
+    except sqlalchemy.exc.DBAPIError as exc:
+        if isinstance(exc.orig, psycopg.Error):
+            raise server_error(url, exc.orig) from exc
+        raise
+
+
+def server_error(url: str, exc: psycopg.Error) -> InstallError:
+    """A PostgreSQL error met while installing, as an :class:`InstallError` keeping its SQLSTATE, DETAIL and HINT."""
+    diag = exc.diag
+    message = diag.message_primary or _first_line(exc)
+    return InstallError(
+        f"{describe(url)}: {message}",
+        sqlstate=getattr(exc, "sqlstate", None),
+        detail=diag.message_detail,
+        hint=diag.message_hint,
+    )
 
 
 def downgrade(url: str, revision: str = "base") -> None:

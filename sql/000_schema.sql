@@ -71,7 +71,8 @@ COMMENT ON FUNCTION pgbroker._search_path_elements(text) IS
 
 -- Make `SELECT broker_claim()` work unqualified in new sessions: append
 -- pgbroker to the end of this database's default search_path (after the
--- user's own schemas, so it never hides one of their names).
+-- user's own schemas, so it never hides one of their names), when the
+-- installing role owns the database.
 -- `p_add => false` removes it again.
 CREATE FUNCTION pgbroker._set_database_search_path(p_add boolean)
 RETURNS text
@@ -83,6 +84,16 @@ DECLARE
     v_elems text[];
     v_sql text;
 BEGIN
+    -- ALTER DATABASE needs its owner (or a superuser); an installer that only
+    -- has CREATE on the database leaves its search_path alone and says so.
+    IF NOT pg_has_role(current_user, (SELECT d.datdba FROM pg_catalog.pg_database d WHERE d.datname = current_database()),
+                       'USAGE') THEN
+        RAISE NOTICE 'pgbroker: the search_path of database % is left as it is: role % does not own it', current_database(),
+                current_user
+            USING HINT = 'Qualify pgbroker''s names (pgbroker.broker_claim()), or set it per role: ALTER ROLE app_role '
+                         'SET search_path = "$user", public, pgbroker;';
+        RETURN NULL;
+    END IF;
     SELECT substr(s, length('search_path=') + 1) INTO v_current
       FROM pg_catalog.pg_db_role_setting d, unnest(d.setconfig) AS s
      WHERE d.setdatabase = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
@@ -106,6 +117,6 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._set_database_search_path(boolean) IS
-    'Internal: append pgbroker to (true) or remove it from (false) the current database''s default search_path.';
+    'Internal: append pgbroker to (true) or remove it from (false) the current database''s default search_path; NULL, with a NOTICE, when the current user does not own the database.';
 
 SELECT pgbroker._set_database_search_path(true);

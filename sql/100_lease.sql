@@ -54,28 +54,32 @@ AS $$ SELECT (p_epoch & 2147483647)::integer $$;
 COMMENT ON FUNCTION pgbroker._epoch_key(bigint) IS
     'Internal: the second key of the ''pgbh'' lock of epoch p_epoch (its low 31 bits).';
 
--- Reading pg_stat_activity copies the status of every backend (about 0.2 ms),
--- too slow for every heartbeat: the value is cached for the session as
--- '<pid>@<microseconds since 1970>'.  The cache only spares work; the checks
--- that decide who holds a lease (_lease_alive, broker_assert) compare with the
--- real value.  One SQL expression, inlined into its callers' queries (a
--- PL/pgSQL call per fetch cost the broker more than the rest of the fetch).
+-- A session's identity: its pid and, since pids are reused, when it first
+-- called pgbroker ('<pid>@<microseconds since 1970>', kept in the session's
+-- setting pgbroker.session).  Not its backend_start: the functions run as
+-- their owner, and pg_stat_activity hides other roles' backend_start (the
+-- caller's own session included) from an owner without pg_read_all_stats.
+-- A setting is private to its session, and a later session with the same pid
+-- first calls pgbroker after this one ended, so no two sessions share an
+-- identity.  DISCARD ALL (or RESET ALL) forgets it, as DISCARD ALL forgets
+-- the session's advisory locks: the session is then a new one to pgbroker.
+-- One SQL expression, inlined into its callers' queries (a PL/pgSQL call per
+-- fetch cost the broker more than the rest of the fetch).
 CREATE FUNCTION pgbroker._my_backend_start_lookup()
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_start timestamptz;
+    v_start timestamptz := date_trunc('microseconds', clock_timestamp());
 BEGIN
-    SELECT backend_start INTO v_start FROM pg_stat_get_activity(pg_backend_pid());
     PERFORM set_config('pgbroker.session',
                        pg_backend_pid()::text || '@' || (extract(epoch FROM v_start) * 1000000)::bigint::text, false);
     RETURN v_start;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._my_backend_start_lookup() IS
-    'Internal: when this backend started, read from pg_stat_activity and cached in the setting pgbroker.session.';
+    'Internal: give this session its identity, the time of its first pgbroker call, kept in the setting pgbroker.session.';
 
 CREATE FUNCTION pgbroker._my_backend_start()
 RETURNS timestamptz
@@ -89,7 +93,7 @@ AS $$
                 ELSE pgbroker._my_backend_start_lookup() END
 $$;
 COMMENT ON FUNCTION pgbroker._my_backend_start() IS
-    'Internal: when this backend started (cached in the setting pgbroker.session); with its pid it identifies a session even after pid reuse.';
+    'Internal: this session''s identity with its pid: when it first called pgbroker (setting pgbroker.session); tells sessions apart even after pid reuse.';
 
 CREATE TABLE pgbroker.lease (
     name text PRIMARY KEY,
@@ -125,7 +129,7 @@ COMMENT ON COLUMN pgbroker.lease.lock_key IS 'Second key of the advisory lock (p
 COMMENT ON COLUMN pgbroker.lease.epoch IS 'Fencing token: greater than every epoch handed out before, across crashes and failovers ((WAL timeline - 1) * 2^40 + a sequence value, so it may skip values); 0 before the first claim.';
 COMMENT ON COLUMN pgbroker.lease.state IS 'new (never claimed), held (claimed and not released), released, or expired (a TTL lease whose time ran out unrenewed, once noticed: lease_expiry_check()).';
 COMMENT ON COLUMN pgbroker.lease.holder_pid IS 'Backend pid of the session that made the last claim.';
-COMMENT ON COLUMN pgbroker.lease.holder_backend_start IS 'Start time of that backend (guards against pid reuse).';
+COMMENT ON COLUMN pgbroker.lease.holder_backend_start IS 'With holder_pid, the identity of that session: when it first called pgbroker (guards against pid reuse; see _my_backend_start()).';
 COMMENT ON COLUMN pgbroker.lease.holder_user IS 'session_user of the holder.';
 COMMENT ON COLUMN pgbroker.lease.holder_application IS 'application_name of the holder at claim time.';
 COMMENT ON COLUMN pgbroker.lease.holder_address IS 'Client address of the holder (NULL for a Unix-socket connection).';
@@ -288,27 +292,46 @@ $$;
 COMMENT ON FUNCTION pgbroker._check_name(text) IS
     'Internal: validate a lease name (22004 when NULL, 22023 when empty or over 63 bytes).';
 
--- Is the session (pid, backend_start) alive and holding the lease's lock?
-CREATE FUNCTION pgbroker._lease_alive(p_pid integer, p_backend_start timestamptz, p_lock_key integer)
+-- Is the holder of epoch p_epoch, session (pid, identity), alive and holding
+-- the lease's lock?  Asked of this very session, its identity says; of
+-- another, pg_locks, which every role sees whole: the session holds the
+-- lease's lock and the epoch's "held" lock, which it takes when its claim
+-- commits.  A later session that got the dead holder's pid holds that epoch's
+-- "held" lock never, so pid reuse does not fool it.
+CREATE FUNCTION pgbroker._lease_alive(p_pid integer, p_backend_start timestamptz, p_lock_key integer, p_epoch bigint)
 RETURNS boolean
-LANGUAGE sql STABLE
-SECURITY DEFINER
+LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT p_pid IS NOT NULL
-       AND EXISTS (SELECT FROM pg_catalog.pg_stat_get_activity(p_pid) a
-                    WHERE a.backend_start = p_backend_start)
-       AND EXISTS (SELECT FROM pg_catalog.pg_locks l
-                    WHERE l.locktype = 'advisory'
-                      AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
-                      AND l.classid = pgbroker._lock_class()::oid
-                      AND l.objid = p_lock_key::oid
-                      AND l.objsubid = 2
-                      AND l.granted
-                      AND l.pid = p_pid)
+BEGIN
+    -- PL/pgSQL, not SQL: its statements' plans are kept for the session (a
+    -- SQL function with SET is planned anew at every call).
+    IF p_pid IS NULL THEN
+        RETURN false;
+    END IF;
+    IF p_pid = pg_backend_pid() THEN
+        RETURN coalesce(p_backend_start = pgbroker._my_backend_start(), false)
+               AND EXISTS (SELECT FROM pg_locks l
+                            WHERE l.locktype = 'advisory'
+                              AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+                              AND l.classid = pgbroker._lock_class()::oid
+                              AND l.objid = p_lock_key::oid
+                              AND l.objsubid = 2
+                              AND l.granted
+                              AND l.pid = p_pid);
+    END IF;
+    RETURN (SELECT count(DISTINCT l.classid) = 2 FROM pg_locks l
+             WHERE l.locktype = 'advisory'
+               AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+               AND ((l.classid = pgbroker._lock_class()::oid AND l.objid = p_lock_key::oid)
+                    OR (l.classid = pgbroker._lock_class_alive()::oid AND l.objid = pgbroker._epoch_key(p_epoch)::oid))
+               AND l.objsubid = 2
+               AND l.granted
+               AND l.pid = p_pid);
+END
 $$;
-COMMENT ON FUNCTION pgbroker._lease_alive(integer, timestamptz, integer) IS
-    'Internal: true when backend p_pid (started at p_backend_start) exists and holds the advisory lock p_lock_key.';
+COMMENT ON FUNCTION pgbroker._lease_alive(integer, timestamptz, integer, bigint) IS
+    'Internal: true when session p_pid (identity p_backend_start) holds the advisory lock p_lock_key (and, another session, the held lock of epoch p_epoch).';
 
 -- Is the lease held by someone alive: a TTL lease until it expires, a
 -- session lease while its holder's session holds the lock.
@@ -319,7 +342,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT p_lease.state = 'held'
        AND CASE WHEN p_lease.expires_at IS NOT NULL THEN p_lease.expires_at > pg_catalog.clock_timestamp()
-                ELSE pgbroker._lease_alive(p_lease.holder_pid, p_lease.holder_backend_start, p_lease.lock_key) END
+                ELSE pgbroker._lease_alive(p_lease.holder_pid, p_lease.holder_backend_start, p_lease.lock_key, p_lease.epoch) END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_live(pgbroker.lease) IS
     'Internal: true when the lease is held and alive: a TTL lease not yet expired, or a session lease whose holder''s session holds the lock.';
@@ -567,15 +590,40 @@ LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_role oid;
 BEGIN
+    -- The right first, as pg_terminate_backend() judges it for the functions'
+    -- owner (current_user here), so that a claim that may not terminate fails
+    -- before anything is done: a superuser's session only by a superuser;
+    -- another only with pg_signal_backend or the rights of the session's role.
+    -- (usesysid is shown to every role; backend_start and state are not.)
+    SELECT a.usesysid INTO v_role FROM pg_stat_get_activity(p_pid) a;
+    IF v_role IS NOT NULL AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user) THEN
+        IF (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = v_role) THEN
+            RAISE EXCEPTION 'cannot terminate pid % holding lease "%": it is a session of superuser %, and only a superuser may end one (pgbroker''s functions run as %, not a superuser)',
+                    p_pid, p_name, v_role::regrole, current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = 'End that session as a superuser (SELECT pg_terminate_backend(pid)), and let brokers log in as ordinary roles.';
+        END IF;
+        IF NOT pg_has_role(current_user, v_role, 'USAGE') AND NOT pg_has_role(current_user, 'pg_signal_backend', 'USAGE') THEN
+            RAISE EXCEPTION 'cannot terminate pid % (role %) holding lease "%": pgbroker''s functions run as role %, which lacks pg_signal_backend',
+                    p_pid, v_role::regrole, p_name, current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = format('As a superuser (or a role with ADMIN OPTION on it): GRANT pg_signal_backend TO %I;', current_user);
+        END IF;
+    END IF;
     -- No timeout argument: that would poll for the exit every 100 ms.  The
     -- caller waits on the advisory lock instead, which it gets the moment the
     -- terminated backend releases it.
-    RETURN pg_terminate_backend(p_pid);
-EXCEPTION WHEN insufficient_privilege THEN
-    RAISE EXCEPTION 'cannot terminate pid % holding lease "%": the role that installed pgbroker lacks the right to', p_pid, p_name
-        USING ERRCODE = 'insufficient_privilege',
-              HINT = 'Grant pg_signal_backend to the owner of the pgbroker functions.';
+    BEGIN
+        RETURN pg_terminate_backend(p_pid);
+    EXCEPTION WHEN insufficient_privilege THEN
+        RAISE EXCEPTION 'cannot terminate pid % holding lease "%": pgbroker''s functions run as role %, which lacks the right to',
+                p_pid, p_name, current_user
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = format('As a superuser (or a role with ADMIN OPTION on it): GRANT pg_signal_backend TO %I;', current_user);
+    END;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_terminate(text, integer) IS
@@ -617,7 +665,7 @@ BEGIN
     IF v_lease.state = 'held'
        AND v_lease.heartbeat_at < clock_timestamp() - p_stale_after
        AND v_lease.holder_pid <> pg_backend_pid()
-       AND pgbroker._lease_alive(v_lease.holder_pid, v_lease.holder_backend_start, v_lease.lock_key) THEN
+       AND pgbroker._lease_alive(v_lease.holder_pid, v_lease.holder_backend_start, v_lease.lock_key, v_lease.epoch) THEN
         PERFORM pgbroker._lease_terminate(p_name, v_lease.holder_pid);
         RETURN v_lease.holder_pid;
     END IF;
@@ -689,7 +737,7 @@ BEGIN
     -- this transaction) ...
     IF v_lease.state = 'held' AND v_lease.expires_at IS NULL
        AND v_lease.holder_pid = v_me AND v_lease.holder_backend_start = v_me_start THEN
-        IF pgbroker._lease_alive(v_me, v_me_start, v_lease.lock_key) THEN
+        IF pgbroker._lease_alive(v_me, v_me_start, v_lease.lock_key, v_lease.epoch) THEN
             -- Behind a pooler in transaction mode this server session carries
             -- many callers: only the claim's owner token proves that this is
             -- the same one.  A bare re-claim cannot prove it and is refused.
@@ -791,6 +839,8 @@ BEGIN
         WHEN v_prev.expires_at IS NOT NULL THEN format('the TTL lease of epoch %s expired at %s', v_prev.epoch, v_prev.expires_at)
         WHEN v_lost THEN format('the same session (pid %s) had lost the lock of epoch %s (pg_advisory_unlock_all() or DISCARD ALL)',
                                 v_me, v_prev.epoch)
+        WHEN v_prev.holder_pid = v_me AND v_prev.state = 'held'
+            THEN format('pid %s (epoch %s) had lost its lock and its identity (DISCARD ALL), or ended', v_me, v_prev.epoch)
         ELSE format('session of pid %s (epoch %s) ended', v_prev.holder_pid, v_prev.epoch)
     END;
 
@@ -1084,7 +1134,7 @@ The next claim of a name and broker_sweep() do it too; an observer that sees a T
 
 COMMENT ON FUNCTION pgbroker.broker_alive(text) IS
 $$True when lease NAME is held and alive: a TTL lease not yet expired, a session lease whose holder's session exists and holds the lock; false otherwise (also for an unknown name).
-pgbroker_reader and pgbroker_broker may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;
+pgbroker_reader and pgbroker_broker may ask; it reads pg_locks, which shows every role's sessions.$$;
 
 -- ---------------------------------------------------------------------------
 -- Broker state API.

@@ -35,6 +35,67 @@ COMMENT ON FUNCTION pgbroker._lock_class_watch() IS
     'Internal: ''pgbs''; (class, watch_id) is try-locked shared by writers'' triggers and taken exclusively by subscribe.';
 
 -- ---------------------------------------------------------------------------
+-- The rights watch() and unwatch() need on a table, as PostgreSQL judges them
+-- for the functions' owner (current_user in them): USAGE on its schema, the
+-- TRIGGER privilege (CREATE TRIGGER), UPDATE, DELETE or TRUNCATE (LOCK TABLE
+-- ... ACCESS EXCLUSIVE), and, to drop triggers (unwatch, a second watch, a
+-- mode switch), ownership of the table.  Checked before anything is done, so
+-- that a refusal is one 42501 naming the right, with the GRANT that gives it.
+CREATE FUNCTION pgbroker._watch_check_rights(p_table regclass, p_drop boolean)
+RETURNS boolean
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_rel pg_catalog.pg_class;
+    v_owner boolean;
+    v_missing text[] := '{}';
+BEGIN
+    SELECT * INTO v_rel FROM pg_catalog.pg_class WHERE oid = p_table;
+    IF NOT FOUND THEN
+        RETURN true;   -- a dropped table: nothing of it to touch
+    END IF;
+    v_owner := pg_has_role(current_user, v_rel.relowner, 'USAGE');
+    IF v_owner THEN
+        RETURN true;
+    END IF;
+    IF NOT has_schema_privilege(current_user, v_rel.relnamespace, 'USAGE') THEN
+        RAISE EXCEPTION 'permission denied to watch table %: pgbroker''s functions run as role %, which lacks USAGE on schema %',
+                p_table, current_user, v_rel.relnamespace::regnamespace
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = format('As the schema''s owner: GRANT USAGE ON SCHEMA %s TO %I;', v_rel.relnamespace::regnamespace,
+                                current_user);
+    END IF;
+    IF p_drop THEN
+        RAISE EXCEPTION 'permission denied to drop the triggers of table % (unwatch, or watch again): pgbroker''s functions run as role %, which does not own it',
+                p_table, current_user
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = format('PostgreSQL lets only a table''s owner drop its triggers: ALTER TABLE %s OWNER TO %I; '
+                                'or, as a superuser, GRANT %I TO %I;', p_table, current_user, v_rel.relowner::regrole,
+                                current_user);
+    END IF;
+    IF NOT has_table_privilege(current_user, p_table, 'TRIGGER') THEN
+        v_missing := v_missing || 'TRIGGER'::text;
+    END IF;
+    IF NOT (has_table_privilege(current_user, p_table, 'UPDATE') OR has_table_privilege(current_user, p_table, 'DELETE')
+            OR has_table_privilege(current_user, p_table, 'TRUNCATE')) THEN
+        v_missing := v_missing || 'UPDATE'::text;
+    END IF;
+    IF v_missing <> '{}' THEN
+        RAISE EXCEPTION 'permission denied to watch table %: pgbroker''s functions run as role %, which lacks the % privilege on it%',
+                p_table, current_user, array_to_string(v_missing, ' and '),
+                CASE WHEN 'UPDATE' = ANY (v_missing) THEN ' (LOCK TABLE needs UPDATE, DELETE or TRUNCATE)' ELSE '' END
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = format('As the table''s owner: GRANT %s ON %s TO %I;', array_to_string(v_missing, ', '), p_table,
+                                current_user);
+    END IF;
+    RETURN false;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_check_rights(regclass, boolean) IS
+    'Internal: 42501 unless the current user may watch table p_table (and, with p_drop, drop its triggers); true when it owns the table.';
+
+-- ---------------------------------------------------------------------------
 -- Keys.
 
 CREATE FUNCTION pgbroker._watch_of(p_table regclass)

@@ -535,6 +535,10 @@ DECLARE
     -- Keys of a type whose to_jsonb() depends on session settings are
     -- encoded under fixed ones (see _key_settings).
     v_settings text := pgbroker._key_settings(p_watch.key_types);
+    -- Whether it owns the table (only an owner may comment on its triggers).
+    v_owner boolean := pgbroker._watch_check_rights(v_table,
+                           EXISTS (SELECT FROM pg_catalog.pg_trigger t
+                                    WHERE t.tgrelid = p_watch.relid AND t.tgname LIKE '\_pgbroker\_watch\_%'));
 BEGIN
     PERFORM pgbroker._watch_lock_table(v_table, p_wait);
     PERFORM pgbroker._watch_drop_triggers(p_watch);
@@ -561,6 +565,7 @@ BEGIN
             EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s %s FOR EACH STATEMENT EXECUTE FUNCTION %s()',
                            '_pgbroker_watch_' || v_kind, v_event, v_table, v_transitions, v_fn);
         END IF;
+        CONTINUE WHEN NOT v_owner;
         EXECUTE format('COMMENT ON TRIGGER %I ON %s IS %L', '_pgbroker_watch_' || v_kind, v_table,
                        format('pgbroker: tells subscribed clients of %s.',
                               CASE v_kind WHEN 'ins' THEN 'inserted rows' WHEN 'upd' THEN 'updated rows'
@@ -668,6 +673,7 @@ BEGIN
         RETURN false;
     END IF;
     IF EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = v_watch.relid) THEN
+        PERFORM pgbroker._watch_check_rights(v_watch.relid::regclass, true);
         PERFORM pgbroker._watch_lock_table(v_watch.relid::regclass, unwatch.wait);
     END IF;
     PERFORM pgbroker._watch_drop_triggers(v_watch);

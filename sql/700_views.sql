@@ -174,8 +174,9 @@ COMMENT ON COLUMN pgbroker.sweep_backlog.state IS 'Broker state rows of earlier 
 
 -- ---------------------------------------------------------------------------
 -- The coordination primitives.  pg_stat_activity shows other roles' sessions
--- (application_name, ...) only to roles with pg_read_all_stats: without it,
--- application is NULL for them.
+-- (application_name, backend_start) only to roles with pg_read_all_stats:
+-- without it, application and holder_since are NULL for them.  Who holds
+-- what comes from pg_locks, which every role sees whole.
 
 CREATE VIEW pgbroker.locks AS
 SELECT n.name,
@@ -202,7 +203,7 @@ COMMENT ON COLUMN pgbroker.locks.name IS 'Lock name.';
 COMMENT ON COLUMN pgbroker.locks.mode IS 'exclusive or shared.';
 COMMENT ON COLUMN pgbroker.locks.holder_pid IS 'Backend pid of a holder.';
 COMMENT ON COLUMN pgbroker.locks.application IS 'Its application_name (NULL for other roles'' sessions without pg_read_all_stats).';
-COMMENT ON COLUMN pgbroker.locks.holder_since IS 'When the holder''s session started (PostgreSQL does not record when an advisory lock was granted).';
+COMMENT ON COLUMN pgbroker.locks.holder_since IS 'When the holder''s session started (PostgreSQL does not record when an advisory lock was granted); NULL for other roles'' sessions without pg_read_all_stats.';
 COMMENT ON COLUMN pgbroker.locks.waiting IS 'Sessions blocked in lock_acquire() for this lock.';
 COMMENT ON COLUMN pgbroker.locks.waiting_since IS 'Since when the longest of them has waited.';
 
@@ -235,11 +236,12 @@ COMMENT ON COLUMN pgbroker.semaphores.waiting IS 'Sessions blocked in semaphore_
 
 CREATE VIEW pgbroker.kv AS
 SELECT e.key, e.version, e.updated_at, e.expires_at,
-       CASE WHEN pg_catalog.pg_has_role(current_user, 'pgbroker_user', 'MEMBER') THEN e.value END AS value
+       CASE WHEN pg_catalog.pg_has_role(current_user, 'pgbroker_user', 'MEMBER')
+                 OR pg_catalog.pg_has_role(current_user, 'pgbroker_admin', 'MEMBER') THEN e.value END AS value
   FROM pgbroker.kv_entry e
  WHERE (e.expires_at IS NULL OR e.expires_at > pg_catalog.clock_timestamp())
    AND (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'kv') OR pgbroker.name_allowed('kv', e.key));
-COMMENT ON VIEW pgbroker.kv IS 'Live entries of the key-value store; values only to members of pgbroker_user.';
+COMMENT ON VIEW pgbroker.kv IS 'Live entries of the key-value store; values only to members of pgbroker_user or pgbroker_admin.';
 COMMENT ON COLUMN pgbroker.kv.key IS 'The key.';
 COMMENT ON COLUMN pgbroker.kv.version IS 'Version of its last change.';
 COMMENT ON COLUMN pgbroker.kv.updated_at IS 'When it last changed.';

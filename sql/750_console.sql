@@ -57,7 +57,14 @@ COMMENT ON COLUMN pgbroker.broker_overview.claimed_at IS 'When the current epoch
 -- statement (a claim committing) is left out: what it holds is momentary.
 -- One whose claim sits in a transaction not yet committed is listed until it
 -- commits: its lease's lock is held, the record not yet visible.
--- SECURITY DEFINER: pg_stat_activity shows other roles' sessions to it.
+-- Whether a session is in a transaction is read from pg_locks, which every
+-- role sees whole (a transaction holds its own virtualxid lock; a session
+-- outside one holds none), so that squatters are found whatever the rights
+-- of the role that installed pgbroker.  pg_stat_activity shows other roles'
+-- state and application_name only to a role with pg_read_all_stats: where it
+-- does, a session in the middle of a statement is told apart (left out);
+-- where not, application is NULL and such a session counts as idle in its
+-- transaction.
 
 CREATE FUNCTION pgbroker.lock_audit()
 RETURNS TABLE (pid integer, role name, application text, session_state text, lock_class text, key integer,
@@ -66,8 +73,12 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+    WITH in_transaction AS MATERIALIZED (
+        SELECT v.pid FROM pg_catalog.pg_locks v WHERE v.locktype = 'virtualxid' AND v.granted AND v.pid IS NOT NULL)
     SELECT x.pid, x.role, x.application, x.session_state, x.lock_class, x.key, x.mode, x.why
-      FROM (SELECT l.pid, a.usename AS role, a.application_name AS application, a.state AS session_state,
+      FROM (SELECT l.pid, a.usename AS role, a.application_name AS application,
+                   coalesce(a.state, CASE WHEN l.pid IN (SELECT t.pid FROM in_transaction t) THEN 'idle in transaction'
+                                          ELSE 'idle' END) AS session_state,
                    c.lock_class, l.objid::integer AS key, l.mode,
                    CASE
                        WHEN a.state = 'active' THEN NULL
@@ -100,7 +111,7 @@ AS $$
                        WHEN c.lock_class = 'registry watchers' THEN NULL
                        -- The rest pgbroker takes for a statement or a transaction only: held by
                        -- a session outside any transaction, it is a session lock taken by hand.
-                       WHEN a.state = 'idle'
+                       WHEN a.state = 'idle' OR (a.state IS NULL AND l.pid NOT IN (SELECT t.pid FROM in_transaction t))
                            THEN format('a %s lock, which pgbroker only takes inside a statement or transaction', c.lock_class)
                    END AS why
               FROM pg_catalog.pg_locks l
@@ -126,8 +137,8 @@ COMMENT ON VIEW pgbroker.unaccounted_locks IS
     'Sessions holding a lock of pgbroker''s lock classes that no pgbroker record accounts for: advisory locks have no privileges, so a role can squat one (a denial of service). End such a session with pg_terminate_backend(pid).';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.pid IS 'Backend pid of the session holding it.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.role IS 'Its login role.';
-COMMENT ON COLUMN pgbroker.unaccounted_locks.application IS 'Its application_name.';
-COMMENT ON COLUMN pgbroker.unaccounted_locks.session_state IS 'Its state (idle, idle in transaction...).';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.application IS 'Its application_name (NULL for another role''s session when the role that installed pgbroker lacks pg_read_all_stats).';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.session_state IS 'Its state (idle, idle in transaction, active...; without pg_read_all_stats, another role''s session is idle or idle in transaction, as pg_locks tells).';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.lock_class IS 'Which of pgbroker''s locks: lease, lease alive, broker awake, broker drain, table watch, lock, semaphore permit, kv watchers, registry watchers, registry writes.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.key IS 'The second key of the advisory lock.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.mode IS 'ExclusiveLock or ShareLock.';

@@ -25,7 +25,27 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgbroker FROM PUBLIC;
 GRANT USAGE ON SCHEMA pgbroker TO PUBLIC;
 GRANT EXECUTE ON FUNCTION pgbroker.schema_version() TO PUBLIC;
 
-GRANT pgbroker_broker, pgbroker_reader, pgbroker_user TO pgbroker_admin;
+-- pgbroker_admin is a member of the other three.  Since PostgreSQL 16 that
+-- needs ADMIN OPTION on them, which an installer with CREATEROLE has on the
+-- roles it created, not on roles a superuser created beforehand: then
+-- pgbroker_admin gets their privileges directly (at the end of this file).
+DO $admin$
+DECLARE
+    v_role text;
+BEGIN
+    FOREACH v_role IN ARRAY ARRAY['pgbroker_broker', 'pgbroker_reader', 'pgbroker_user'] LOOP
+        IF NOT pg_catalog.pg_has_role('pgbroker_admin', v_role, 'MEMBER') THEN
+            BEGIN
+                EXECUTE format('GRANT %I TO pgbroker_admin', v_role);
+            EXCEPTION WHEN insufficient_privilege THEN
+                RAISE NOTICE 'pgbroker: pgbroker_admin is not made a member of %, role % has no ADMIN OPTION on it; it gets its privileges directly',
+                        v_role, current_user
+                    USING HINT = format('To have the membership, as a superuser: GRANT %I TO pgbroker_admin;', v_role);
+            END;
+        END IF;
+    END LOOP;
+END
+$admin$;
 
 -- Readers: the views.
 GRANT SELECT ON
@@ -122,3 +142,32 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.name_grant(text, text, regrole, text),
     pgbroker.name_revoke(text, text, regrole)
 TO pgbroker_admin;
+
+-- pgbroker_admin has every privilege of the three others, whether or not it
+-- could be made their member (see above).
+DO $admin_direct$
+DECLARE
+    v_object text;
+BEGIN
+    FOR v_object IN
+        SELECT DISTINCT p.oid::regprocedure::text
+          FROM pg_catalog.pg_proc p, aclexplode(p.proacl) a
+         WHERE p.pronamespace = 'pgbroker'::regnamespace
+           AND a.grantee IN (SELECT r.oid FROM pg_catalog.pg_roles r
+                              WHERE r.rolname IN ('pgbroker_broker', 'pgbroker_reader', 'pgbroker_user')
+                                AND NOT pg_catalog.pg_has_role('pgbroker_admin', r.oid, 'USAGE'))
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO pgbroker_admin', v_object);
+    END LOOP;
+    FOR v_object IN
+        SELECT DISTINCT c.oid::regclass::text
+          FROM pg_catalog.pg_class c, aclexplode(c.relacl) a
+         WHERE c.relnamespace = 'pgbroker'::regnamespace AND a.privilege_type = 'SELECT'
+           AND a.grantee IN (SELECT r.oid FROM pg_catalog.pg_roles r
+                              WHERE r.rolname IN ('pgbroker_broker', 'pgbroker_reader', 'pgbroker_user')
+                                AND NOT pg_catalog.pg_has_role('pgbroker_admin', r.oid, 'USAGE'))
+    LOOP
+        EXECUTE format('GRANT SELECT ON %s TO pgbroker_admin', v_object);
+    END LOOP;
+END
+$admin_direct$;

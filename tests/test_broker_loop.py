@@ -16,7 +16,7 @@ import pytest
 from pgbroker import (
     AsyncBroker,
     Broker,
-    DriverError,
+    DatabaseError,
     LeaseHeld,
     LeaseInDoubt,
     LeaseLost,
@@ -225,7 +225,7 @@ def test_a_lost_registry_connection_is_a_driver_error_and_the_next_call_reconnec
         ]
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
         time.sleep(0.1)
-        with pytest.raises(DriverError) as info:
+        with pytest.raises(DatabaseError) as info:
             broker.register("c2")
         assert isinstance(info.value.__cause__, psycopg.OperationalError)
         assert broker.held

@@ -116,9 +116,18 @@ def test_pb022_table_busy_when_a_writer_stays_open(connect: Connect):
     assert type(new) is TableBusy and new.__cause__ is exc
 
 
-def test_errors_of_other_sqlstates_pass_through(connect: Connect):
+def test_errors_of_other_sqlstates_are_database_errors(connect: Connect):
+    """No raw psycopg error leaves the public API: an SQLSTATE no class names is a DatabaseError."""
     exc = server_error(connect(), "SELECT 1/0")
-    assert translate(exc) is exc
+    new = translate(exc)
+    assert type(new) is errors.DatabaseError and isinstance(new, PgBrokerError)
+    assert (new.sqlstate, str(new), new.__cause__) == ("22012", "division by zero", exc)
+    closed = connect()
+    closed.close()
+    with pytest.raises(psycopg.OperationalError) as info:
+        closed.execute("SELECT 1")
+    lost = translate(info.value)
+    assert type(lost) is errors.DatabaseError and lost.sqlstate is None
 
 
 # ---------------------------------------------------------------------------

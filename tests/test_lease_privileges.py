@@ -233,15 +233,18 @@ def test_hostile_search_path_changes_nothing(connect, evil, search_path):
 
 
 def test_forged_session_cache_does_not_make_another_session_the_holder(connect):
-    """pgbroker.session caches this backend's start time; a forged value cannot borrow a holder's identity."""
+    """pgbroker.session holds this session's identity (pid and first call); a forged value, even the holder's
+    very own, cannot make another session the holder: the pid in it must be the session's."""
     holder = connect("holder", user="t_broker")
     other = connect("other", user="t_broker")
     assert claim(holder, "forged") >= 1
     admin = connect("admin")
     start = admin.execute(
-        "SELECT (extract(epoch FROM backend_start) * 1000000)::bigint FROM pg_stat_activity WHERE pid = %s",
-        (holder.info.backend_pid,),
+        "SELECT (extract(epoch FROM holder_backend_start) * 1000000)::bigint FROM pgbroker.lease WHERE name = 'forged'"
     ).fetchone()[0]
+    assert holder.execute("SELECT current_setting('pgbroker.session')").fetchone()[0] == (
+        f"{holder.info.backend_pid}@{start}"
+    )
     for pid in (holder.info.backend_pid, other.info.backend_pid):
         other.execute("SELECT set_config('pgbroker.session', %s, false)", (f"{pid}@{start}",))
         for sql in (

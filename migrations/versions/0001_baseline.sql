@@ -75,7 +75,8 @@ COMMENT ON FUNCTION pgbroker._search_path_elements(text) IS
 
 -- Make `SELECT broker_claim()` work unqualified in new sessions: append
 -- pgbroker to the end of this database's default search_path (after the
--- user's own schemas, so it never hides one of their names).
+-- user's own schemas, so it never hides one of their names), when the
+-- installing role owns the database.
 -- `p_add => false` removes it again.
 CREATE FUNCTION pgbroker._set_database_search_path(p_add boolean)
 RETURNS text
@@ -87,6 +88,16 @@ DECLARE
     v_elems text[];
     v_sql text;
 BEGIN
+    -- ALTER DATABASE needs its owner (or a superuser); an installer that only
+    -- has CREATE on the database leaves its search_path alone and says so.
+    IF NOT pg_has_role(current_user, (SELECT d.datdba FROM pg_catalog.pg_database d WHERE d.datname = current_database()),
+                       'USAGE') THEN
+        RAISE NOTICE 'pgbroker: the search_path of database % is left as it is: role % does not own it', current_database(),
+                current_user
+            USING HINT = 'Qualify pgbroker''s names (pgbroker.broker_claim()), or set it per role: ALTER ROLE app_role '
+                         'SET search_path = "$user", public, pgbroker;';
+        RETURN NULL;
+    END IF;
     SELECT substr(s, length('search_path=') + 1) INTO v_current
       FROM pg_catalog.pg_db_role_setting d, unnest(d.setconfig) AS s
      WHERE d.setdatabase = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
@@ -110,7 +121,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._set_database_search_path(boolean) IS
-    'Internal: append pgbroker to (true) or remove it from (false) the current database''s default search_path.';
+    'Internal: append pgbroker to (true) or remove it from (false) the current database''s default search_path; NULL, with a NOTICE, when the current user does not own the database.';
 
 SELECT pgbroker._set_database_search_path(true);
 
@@ -409,28 +420,32 @@ AS $$ SELECT (p_epoch & 2147483647)::integer $$;
 COMMENT ON FUNCTION pgbroker._epoch_key(bigint) IS
     'Internal: the second key of the ''pgbh'' lock of epoch p_epoch (its low 31 bits).';
 
--- Reading pg_stat_activity copies the status of every backend (about 0.2 ms),
--- too slow for every heartbeat: the value is cached for the session as
--- '<pid>@<microseconds since 1970>'.  The cache only spares work; the checks
--- that decide who holds a lease (_lease_alive, broker_assert) compare with the
--- real value.  One SQL expression, inlined into its callers' queries (a
--- PL/pgSQL call per fetch cost the broker more than the rest of the fetch).
+-- A session's identity: its pid and, since pids are reused, when it first
+-- called pgbroker ('<pid>@<microseconds since 1970>', kept in the session's
+-- setting pgbroker.session).  Not its backend_start: the functions run as
+-- their owner, and pg_stat_activity hides other roles' backend_start (the
+-- caller's own session included) from an owner without pg_read_all_stats.
+-- A setting is private to its session, and a later session with the same pid
+-- first calls pgbroker after this one ended, so no two sessions share an
+-- identity.  DISCARD ALL (or RESET ALL) forgets it, as DISCARD ALL forgets
+-- the session's advisory locks: the session is then a new one to pgbroker.
+-- One SQL expression, inlined into its callers' queries (a PL/pgSQL call per
+-- fetch cost the broker more than the rest of the fetch).
 CREATE FUNCTION pgbroker._my_backend_start_lookup()
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_start timestamptz;
+    v_start timestamptz := date_trunc('microseconds', clock_timestamp());
 BEGIN
-    SELECT backend_start INTO v_start FROM pg_stat_get_activity(pg_backend_pid());
     PERFORM set_config('pgbroker.session',
                        pg_backend_pid()::text || '@' || (extract(epoch FROM v_start) * 1000000)::bigint::text, false);
     RETURN v_start;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._my_backend_start_lookup() IS
-    'Internal: when this backend started, read from pg_stat_activity and cached in the setting pgbroker.session.';
+    'Internal: give this session its identity, the time of its first pgbroker call, kept in the setting pgbroker.session.';
 
 CREATE FUNCTION pgbroker._my_backend_start()
 RETURNS timestamptz
@@ -444,7 +459,7 @@ AS $$
                 ELSE pgbroker._my_backend_start_lookup() END
 $$;
 COMMENT ON FUNCTION pgbroker._my_backend_start() IS
-    'Internal: when this backend started (cached in the setting pgbroker.session); with its pid it identifies a session even after pid reuse.';
+    'Internal: this session''s identity with its pid: when it first called pgbroker (setting pgbroker.session); tells sessions apart even after pid reuse.';
 
 CREATE TABLE pgbroker.lease (
     name text PRIMARY KEY,
@@ -480,7 +495,7 @@ COMMENT ON COLUMN pgbroker.lease.lock_key IS 'Second key of the advisory lock (p
 COMMENT ON COLUMN pgbroker.lease.epoch IS 'Fencing token: greater than every epoch handed out before, across crashes and failovers ((WAL timeline - 1) * 2^40 + a sequence value, so it may skip values); 0 before the first claim.';
 COMMENT ON COLUMN pgbroker.lease.state IS 'new (never claimed), held (claimed and not released), released, or expired (a TTL lease whose time ran out unrenewed, once noticed: lease_expiry_check()).';
 COMMENT ON COLUMN pgbroker.lease.holder_pid IS 'Backend pid of the session that made the last claim.';
-COMMENT ON COLUMN pgbroker.lease.holder_backend_start IS 'Start time of that backend (guards against pid reuse).';
+COMMENT ON COLUMN pgbroker.lease.holder_backend_start IS 'With holder_pid, the identity of that session: when it first called pgbroker (guards against pid reuse; see _my_backend_start()).';
 COMMENT ON COLUMN pgbroker.lease.holder_user IS 'session_user of the holder.';
 COMMENT ON COLUMN pgbroker.lease.holder_application IS 'application_name of the holder at claim time.';
 COMMENT ON COLUMN pgbroker.lease.holder_address IS 'Client address of the holder (NULL for a Unix-socket connection).';
@@ -643,27 +658,46 @@ $$;
 COMMENT ON FUNCTION pgbroker._check_name(text) IS
     'Internal: validate a lease name (22004 when NULL, 22023 when empty or over 63 bytes).';
 
--- Is the session (pid, backend_start) alive and holding the lease's lock?
-CREATE FUNCTION pgbroker._lease_alive(p_pid integer, p_backend_start timestamptz, p_lock_key integer)
+-- Is the holder of epoch p_epoch, session (pid, identity), alive and holding
+-- the lease's lock?  Asked of this very session, its identity says; of
+-- another, pg_locks, which every role sees whole: the session holds the
+-- lease's lock and the epoch's "held" lock, which it takes when its claim
+-- commits.  A later session that got the dead holder's pid holds that epoch's
+-- "held" lock never, so pid reuse does not fool it.
+CREATE FUNCTION pgbroker._lease_alive(p_pid integer, p_backend_start timestamptz, p_lock_key integer, p_epoch bigint)
 RETURNS boolean
-LANGUAGE sql STABLE
-SECURITY DEFINER
+LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT p_pid IS NOT NULL
-       AND EXISTS (SELECT FROM pg_catalog.pg_stat_get_activity(p_pid) a
-                    WHERE a.backend_start = p_backend_start)
-       AND EXISTS (SELECT FROM pg_catalog.pg_locks l
-                    WHERE l.locktype = 'advisory'
-                      AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
-                      AND l.classid = pgbroker._lock_class()::oid
-                      AND l.objid = p_lock_key::oid
-                      AND l.objsubid = 2
-                      AND l.granted
-                      AND l.pid = p_pid)
+BEGIN
+    -- PL/pgSQL, not SQL: its statements' plans are kept for the session (a
+    -- SQL function with SET is planned anew at every call).
+    IF p_pid IS NULL THEN
+        RETURN false;
+    END IF;
+    IF p_pid = pg_backend_pid() THEN
+        RETURN coalesce(p_backend_start = pgbroker._my_backend_start(), false)
+               AND EXISTS (SELECT FROM pg_locks l
+                            WHERE l.locktype = 'advisory'
+                              AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+                              AND l.classid = pgbroker._lock_class()::oid
+                              AND l.objid = p_lock_key::oid
+                              AND l.objsubid = 2
+                              AND l.granted
+                              AND l.pid = p_pid);
+    END IF;
+    RETURN (SELECT count(DISTINCT l.classid) = 2 FROM pg_locks l
+             WHERE l.locktype = 'advisory'
+               AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+               AND ((l.classid = pgbroker._lock_class()::oid AND l.objid = p_lock_key::oid)
+                    OR (l.classid = pgbroker._lock_class_alive()::oid AND l.objid = pgbroker._epoch_key(p_epoch)::oid))
+               AND l.objsubid = 2
+               AND l.granted
+               AND l.pid = p_pid);
+END
 $$;
-COMMENT ON FUNCTION pgbroker._lease_alive(integer, timestamptz, integer) IS
-    'Internal: true when backend p_pid (started at p_backend_start) exists and holds the advisory lock p_lock_key.';
+COMMENT ON FUNCTION pgbroker._lease_alive(integer, timestamptz, integer, bigint) IS
+    'Internal: true when session p_pid (identity p_backend_start) holds the advisory lock p_lock_key (and, another session, the held lock of epoch p_epoch).';
 
 -- Is the lease held by someone alive: a TTL lease until it expires, a
 -- session lease while its holder's session holds the lock.
@@ -674,7 +708,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT p_lease.state = 'held'
        AND CASE WHEN p_lease.expires_at IS NOT NULL THEN p_lease.expires_at > pg_catalog.clock_timestamp()
-                ELSE pgbroker._lease_alive(p_lease.holder_pid, p_lease.holder_backend_start, p_lease.lock_key) END
+                ELSE pgbroker._lease_alive(p_lease.holder_pid, p_lease.holder_backend_start, p_lease.lock_key, p_lease.epoch) END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_live(pgbroker.lease) IS
     'Internal: true when the lease is held and alive: a TTL lease not yet expired, or a session lease whose holder''s session holds the lock.';
@@ -922,15 +956,40 @@ LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_role oid;
 BEGIN
+    -- The right first, as pg_terminate_backend() judges it for the functions'
+    -- owner (current_user here), so that a claim that may not terminate fails
+    -- before anything is done: a superuser's session only by a superuser;
+    -- another only with pg_signal_backend or the rights of the session's role.
+    -- (usesysid is shown to every role; backend_start and state are not.)
+    SELECT a.usesysid INTO v_role FROM pg_stat_get_activity(p_pid) a;
+    IF v_role IS NOT NULL AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user) THEN
+        IF (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = v_role) THEN
+            RAISE EXCEPTION 'cannot terminate pid % holding lease "%": it is a session of superuser %, and only a superuser may end one (pgbroker''s functions run as %, not a superuser)',
+                    p_pid, p_name, v_role::regrole, current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = 'End that session as a superuser (SELECT pg_terminate_backend(pid)), and let brokers log in as ordinary roles.';
+        END IF;
+        IF NOT pg_has_role(current_user, v_role, 'USAGE') AND NOT pg_has_role(current_user, 'pg_signal_backend', 'USAGE') THEN
+            RAISE EXCEPTION 'cannot terminate pid % (role %) holding lease "%": pgbroker''s functions run as role %, which lacks pg_signal_backend',
+                    p_pid, v_role::regrole, p_name, current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = format('As a superuser (or a role with ADMIN OPTION on it): GRANT pg_signal_backend TO %I;', current_user);
+        END IF;
+    END IF;
     -- No timeout argument: that would poll for the exit every 100 ms.  The
     -- caller waits on the advisory lock instead, which it gets the moment the
     -- terminated backend releases it.
-    RETURN pg_terminate_backend(p_pid);
-EXCEPTION WHEN insufficient_privilege THEN
-    RAISE EXCEPTION 'cannot terminate pid % holding lease "%": the role that installed pgbroker lacks the right to', p_pid, p_name
-        USING ERRCODE = 'insufficient_privilege',
-              HINT = 'Grant pg_signal_backend to the owner of the pgbroker functions.';
+    BEGIN
+        RETURN pg_terminate_backend(p_pid);
+    EXCEPTION WHEN insufficient_privilege THEN
+        RAISE EXCEPTION 'cannot terminate pid % holding lease "%": pgbroker''s functions run as role %, which lacks the right to',
+                p_pid, p_name, current_user
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = format('As a superuser (or a role with ADMIN OPTION on it): GRANT pg_signal_backend TO %I;', current_user);
+    END;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._lease_terminate(text, integer) IS
@@ -972,7 +1031,7 @@ BEGIN
     IF v_lease.state = 'held'
        AND v_lease.heartbeat_at < clock_timestamp() - p_stale_after
        AND v_lease.holder_pid <> pg_backend_pid()
-       AND pgbroker._lease_alive(v_lease.holder_pid, v_lease.holder_backend_start, v_lease.lock_key) THEN
+       AND pgbroker._lease_alive(v_lease.holder_pid, v_lease.holder_backend_start, v_lease.lock_key, v_lease.epoch) THEN
         PERFORM pgbroker._lease_terminate(p_name, v_lease.holder_pid);
         RETURN v_lease.holder_pid;
     END IF;
@@ -1044,7 +1103,7 @@ BEGIN
     -- this transaction) ...
     IF v_lease.state = 'held' AND v_lease.expires_at IS NULL
        AND v_lease.holder_pid = v_me AND v_lease.holder_backend_start = v_me_start THEN
-        IF pgbroker._lease_alive(v_me, v_me_start, v_lease.lock_key) THEN
+        IF pgbroker._lease_alive(v_me, v_me_start, v_lease.lock_key, v_lease.epoch) THEN
             -- Behind a pooler in transaction mode this server session carries
             -- many callers: only the claim's owner token proves that this is
             -- the same one.  A bare re-claim cannot prove it and is refused.
@@ -1146,6 +1205,8 @@ BEGIN
         WHEN v_prev.expires_at IS NOT NULL THEN format('the TTL lease of epoch %s expired at %s', v_prev.epoch, v_prev.expires_at)
         WHEN v_lost THEN format('the same session (pid %s) had lost the lock of epoch %s (pg_advisory_unlock_all() or DISCARD ALL)',
                                 v_me, v_prev.epoch)
+        WHEN v_prev.holder_pid = v_me AND v_prev.state = 'held'
+            THEN format('pid %s (epoch %s) had lost its lock and its identity (DISCARD ALL), or ended', v_me, v_prev.epoch)
         ELSE format('session of pid %s (epoch %s) ended', v_prev.holder_pid, v_prev.epoch)
     END;
 
@@ -1439,7 +1500,7 @@ The next claim of a name and broker_sweep() do it too; an observer that sees a T
 
 COMMENT ON FUNCTION pgbroker.broker_alive(text) IS
 $$True when lease NAME is held and alive: a TTL lease not yet expired, a session lease whose holder's session exists and holds the lock; false otherwise (also for an unknown name).
-pgbroker_reader and pgbroker_broker may ask; it sees other users' sessions, which pg_stat_activity hides from unprivileged roles.$$;
+pgbroker_reader and pgbroker_broker may ask; it reads pg_locks, which shows every role's sessions.$$;
 
 -- ---------------------------------------------------------------------------
 -- Broker state API.
@@ -1961,6 +2022,67 @@ RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT 1885823603 $$;
 COMMENT ON FUNCTION pgbroker._lock_class_watch() IS
     'Internal: ''pgbs''; (class, watch_id) is try-locked shared by writers'' triggers and taken exclusively by subscribe.';
+
+-- ---------------------------------------------------------------------------
+-- The rights watch() and unwatch() need on a table, as PostgreSQL judges them
+-- for the functions' owner (current_user in them): USAGE on its schema, the
+-- TRIGGER privilege (CREATE TRIGGER), UPDATE, DELETE or TRUNCATE (LOCK TABLE
+-- ... ACCESS EXCLUSIVE), and, to drop triggers (unwatch, a second watch, a
+-- mode switch), ownership of the table.  Checked before anything is done, so
+-- that a refusal is one 42501 naming the right, with the GRANT that gives it.
+CREATE FUNCTION pgbroker._watch_check_rights(p_table regclass, p_drop boolean)
+RETURNS boolean
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_rel pg_catalog.pg_class;
+    v_owner boolean;
+    v_missing text[] := '{}';
+BEGIN
+    SELECT * INTO v_rel FROM pg_catalog.pg_class WHERE oid = p_table;
+    IF NOT FOUND THEN
+        RETURN true;   -- a dropped table: nothing of it to touch
+    END IF;
+    v_owner := pg_has_role(current_user, v_rel.relowner, 'USAGE');
+    IF v_owner THEN
+        RETURN true;
+    END IF;
+    IF NOT has_schema_privilege(current_user, v_rel.relnamespace, 'USAGE') THEN
+        RAISE EXCEPTION 'permission denied to watch table %: pgbroker''s functions run as role %, which lacks USAGE on schema %',
+                p_table, current_user, v_rel.relnamespace::regnamespace
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = format('As the schema''s owner: GRANT USAGE ON SCHEMA %s TO %I;', v_rel.relnamespace::regnamespace,
+                                current_user);
+    END IF;
+    IF p_drop THEN
+        RAISE EXCEPTION 'permission denied to drop the triggers of table % (unwatch, or watch again): pgbroker''s functions run as role %, which does not own it',
+                p_table, current_user
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = format('PostgreSQL lets only a table''s owner drop its triggers: ALTER TABLE %s OWNER TO %I; '
+                                'or, as a superuser, GRANT %I TO %I;', p_table, current_user, v_rel.relowner::regrole,
+                                current_user);
+    END IF;
+    IF NOT has_table_privilege(current_user, p_table, 'TRIGGER') THEN
+        v_missing := v_missing || 'TRIGGER'::text;
+    END IF;
+    IF NOT (has_table_privilege(current_user, p_table, 'UPDATE') OR has_table_privilege(current_user, p_table, 'DELETE')
+            OR has_table_privilege(current_user, p_table, 'TRUNCATE')) THEN
+        v_missing := v_missing || 'UPDATE'::text;
+    END IF;
+    IF v_missing <> '{}' THEN
+        RAISE EXCEPTION 'permission denied to watch table %: pgbroker''s functions run as role %, which lacks the % privilege on it%',
+                p_table, current_user, array_to_string(v_missing, ' and '),
+                CASE WHEN 'UPDATE' = ANY (v_missing) THEN ' (LOCK TABLE needs UPDATE, DELETE or TRUNCATE)' ELSE '' END
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = format('As the table''s owner: GRANT %s ON %s TO %I;', array_to_string(v_missing, ', '), p_table,
+                                current_user);
+    END IF;
+    RETURN false;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_check_rights(regclass, boolean) IS
+    'Internal: 42501 unless the current user may watch table p_table (and, with p_drop, drop its triggers); true when it owns the table.';
 
 -- ---------------------------------------------------------------------------
 -- Keys.
@@ -3599,6 +3721,10 @@ DECLARE
     -- Keys of a type whose to_jsonb() depends on session settings are
     -- encoded under fixed ones (see _key_settings).
     v_settings text := pgbroker._key_settings(p_watch.key_types);
+    -- Whether it owns the table (only an owner may comment on its triggers).
+    v_owner boolean := pgbroker._watch_check_rights(v_table,
+                           EXISTS (SELECT FROM pg_catalog.pg_trigger t
+                                    WHERE t.tgrelid = p_watch.relid AND t.tgname LIKE '\_pgbroker\_watch\_%'));
 BEGIN
     PERFORM pgbroker._watch_lock_table(v_table, p_wait);
     PERFORM pgbroker._watch_drop_triggers(p_watch);
@@ -3625,6 +3751,7 @@ BEGIN
             EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s %s FOR EACH STATEMENT EXECUTE FUNCTION %s()',
                            '_pgbroker_watch_' || v_kind, v_event, v_table, v_transitions, v_fn);
         END IF;
+        CONTINUE WHEN NOT v_owner;
         EXECUTE format('COMMENT ON TRIGGER %I ON %s IS %L', '_pgbroker_watch_' || v_kind, v_table,
                        format('pgbroker: tells subscribed clients of %s.',
                               CASE v_kind WHEN 'ins' THEN 'inserted rows' WHEN 'upd' THEN 'updated rows'
@@ -3732,6 +3859,7 @@ BEGIN
         RETURN false;
     END IF;
     IF EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = v_watch.relid) THEN
+        PERFORM pgbroker._watch_check_rights(v_watch.relid::regclass, true);
         PERFORM pgbroker._watch_lock_table(v_watch.relid::regclass, unwatch.wait);
     END IF;
     PERFORM pgbroker._watch_drop_triggers(v_watch);
@@ -4958,8 +5086,9 @@ COMMENT ON COLUMN pgbroker.sweep_backlog.state IS 'Broker state rows of earlier 
 
 -- ---------------------------------------------------------------------------
 -- The coordination primitives.  pg_stat_activity shows other roles' sessions
--- (application_name, ...) only to roles with pg_read_all_stats: without it,
--- application is NULL for them.
+-- (application_name, backend_start) only to roles with pg_read_all_stats:
+-- without it, application and holder_since are NULL for them.  Who holds
+-- what comes from pg_locks, which every role sees whole.
 
 CREATE VIEW pgbroker.locks AS
 SELECT n.name,
@@ -4986,7 +5115,7 @@ COMMENT ON COLUMN pgbroker.locks.name IS 'Lock name.';
 COMMENT ON COLUMN pgbroker.locks.mode IS 'exclusive or shared.';
 COMMENT ON COLUMN pgbroker.locks.holder_pid IS 'Backend pid of a holder.';
 COMMENT ON COLUMN pgbroker.locks.application IS 'Its application_name (NULL for other roles'' sessions without pg_read_all_stats).';
-COMMENT ON COLUMN pgbroker.locks.holder_since IS 'When the holder''s session started (PostgreSQL does not record when an advisory lock was granted).';
+COMMENT ON COLUMN pgbroker.locks.holder_since IS 'When the holder''s session started (PostgreSQL does not record when an advisory lock was granted); NULL for other roles'' sessions without pg_read_all_stats.';
 COMMENT ON COLUMN pgbroker.locks.waiting IS 'Sessions blocked in lock_acquire() for this lock.';
 COMMENT ON COLUMN pgbroker.locks.waiting_since IS 'Since when the longest of them has waited.';
 
@@ -5019,11 +5148,12 @@ COMMENT ON COLUMN pgbroker.semaphores.waiting IS 'Sessions blocked in semaphore_
 
 CREATE VIEW pgbroker.kv AS
 SELECT e.key, e.version, e.updated_at, e.expires_at,
-       CASE WHEN pg_catalog.pg_has_role(current_user, 'pgbroker_user', 'MEMBER') THEN e.value END AS value
+       CASE WHEN pg_catalog.pg_has_role(current_user, 'pgbroker_user', 'MEMBER')
+                 OR pg_catalog.pg_has_role(current_user, 'pgbroker_admin', 'MEMBER') THEN e.value END AS value
   FROM pgbroker.kv_entry e
  WHERE (e.expires_at IS NULL OR e.expires_at > pg_catalog.clock_timestamp())
    AND (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'kv') OR pgbroker.name_allowed('kv', e.key));
-COMMENT ON VIEW pgbroker.kv IS 'Live entries of the key-value store; values only to members of pgbroker_user.';
+COMMENT ON VIEW pgbroker.kv IS 'Live entries of the key-value store; values only to members of pgbroker_user or pgbroker_admin.';
 COMMENT ON COLUMN pgbroker.kv.key IS 'The key.';
 COMMENT ON COLUMN pgbroker.kv.version IS 'Version of its last change.';
 COMMENT ON COLUMN pgbroker.kv.updated_at IS 'When it last changed.';
@@ -5151,7 +5281,14 @@ COMMENT ON COLUMN pgbroker.broker_overview.claimed_at IS 'When the current epoch
 -- statement (a claim committing) is left out: what it holds is momentary.
 -- One whose claim sits in a transaction not yet committed is listed until it
 -- commits: its lease's lock is held, the record not yet visible.
--- SECURITY DEFINER: pg_stat_activity shows other roles' sessions to it.
+-- Whether a session is in a transaction is read from pg_locks, which every
+-- role sees whole (a transaction holds its own virtualxid lock; a session
+-- outside one holds none), so that squatters are found whatever the rights
+-- of the role that installed pgbroker.  pg_stat_activity shows other roles'
+-- state and application_name only to a role with pg_read_all_stats: where it
+-- does, a session in the middle of a statement is told apart (left out);
+-- where not, application is NULL and such a session counts as idle in its
+-- transaction.
 
 CREATE FUNCTION pgbroker.lock_audit()
 RETURNS TABLE (pid integer, role name, application text, session_state text, lock_class text, key integer,
@@ -5160,8 +5297,12 @@ LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+    WITH in_transaction AS MATERIALIZED (
+        SELECT v.pid FROM pg_catalog.pg_locks v WHERE v.locktype = 'virtualxid' AND v.granted AND v.pid IS NOT NULL)
     SELECT x.pid, x.role, x.application, x.session_state, x.lock_class, x.key, x.mode, x.why
-      FROM (SELECT l.pid, a.usename AS role, a.application_name AS application, a.state AS session_state,
+      FROM (SELECT l.pid, a.usename AS role, a.application_name AS application,
+                   coalesce(a.state, CASE WHEN l.pid IN (SELECT t.pid FROM in_transaction t) THEN 'idle in transaction'
+                                          ELSE 'idle' END) AS session_state,
                    c.lock_class, l.objid::integer AS key, l.mode,
                    CASE
                        WHEN a.state = 'active' THEN NULL
@@ -5194,7 +5335,7 @@ AS $$
                        WHEN c.lock_class = 'registry watchers' THEN NULL
                        -- The rest pgbroker takes for a statement or a transaction only: held by
                        -- a session outside any transaction, it is a session lock taken by hand.
-                       WHEN a.state = 'idle'
+                       WHEN a.state = 'idle' OR (a.state IS NULL AND l.pid NOT IN (SELECT t.pid FROM in_transaction t))
                            THEN format('a %s lock, which pgbroker only takes inside a statement or transaction', c.lock_class)
                    END AS why
               FROM pg_catalog.pg_locks l
@@ -5220,8 +5361,8 @@ COMMENT ON VIEW pgbroker.unaccounted_locks IS
     'Sessions holding a lock of pgbroker''s lock classes that no pgbroker record accounts for: advisory locks have no privileges, so a role can squat one (a denial of service). End such a session with pg_terminate_backend(pid).';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.pid IS 'Backend pid of the session holding it.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.role IS 'Its login role.';
-COMMENT ON COLUMN pgbroker.unaccounted_locks.application IS 'Its application_name.';
-COMMENT ON COLUMN pgbroker.unaccounted_locks.session_state IS 'Its state (idle, idle in transaction...).';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.application IS 'Its application_name (NULL for another role''s session when the role that installed pgbroker lacks pg_read_all_stats).';
+COMMENT ON COLUMN pgbroker.unaccounted_locks.session_state IS 'Its state (idle, idle in transaction, active...; without pg_read_all_stats, another role''s session is idle or idle in transaction, as pg_locks tells).';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.lock_class IS 'Which of pgbroker''s locks: lease, lease alive, broker awake, broker drain, table watch, lock, semaphore permit, kv watchers, registry watchers, registry writes.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.key IS 'The second key of the advisory lock.';
 COMMENT ON COLUMN pgbroker.unaccounted_locks.mode IS 'ExclusiveLock or ShareLock.';
@@ -5380,7 +5521,27 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgbroker FROM PUBLIC;
 GRANT USAGE ON SCHEMA pgbroker TO PUBLIC;
 GRANT EXECUTE ON FUNCTION pgbroker.schema_version() TO PUBLIC;
 
-GRANT pgbroker_broker, pgbroker_reader, pgbroker_user TO pgbroker_admin;
+-- pgbroker_admin is a member of the other three.  Since PostgreSQL 16 that
+-- needs ADMIN OPTION on them, which an installer with CREATEROLE has on the
+-- roles it created, not on roles a superuser created beforehand: then
+-- pgbroker_admin gets their privileges directly (at the end of this file).
+DO $admin$
+DECLARE
+    v_role text;
+BEGIN
+    FOREACH v_role IN ARRAY ARRAY['pgbroker_broker', 'pgbroker_reader', 'pgbroker_user'] LOOP
+        IF NOT pg_catalog.pg_has_role('pgbroker_admin', v_role, 'MEMBER') THEN
+            BEGIN
+                EXECUTE format('GRANT %I TO pgbroker_admin', v_role);
+            EXCEPTION WHEN insufficient_privilege THEN
+                RAISE NOTICE 'pgbroker: pgbroker_admin is not made a member of %, role % has no ADMIN OPTION on it; it gets its privileges directly',
+                        v_role, current_user
+                    USING HINT = format('To have the membership, as a superuser: GRANT %I TO pgbroker_admin;', v_role);
+            END;
+        END IF;
+    END LOOP;
+END
+$admin$;
 
 -- Readers: the views.
 GRANT SELECT ON
@@ -5477,3 +5638,32 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.name_grant(text, text, regrole, text),
     pgbroker.name_revoke(text, text, regrole)
 TO pgbroker_admin;
+
+-- pgbroker_admin has every privilege of the three others, whether or not it
+-- could be made their member (see above).
+DO $admin_direct$
+DECLARE
+    v_object text;
+BEGIN
+    FOR v_object IN
+        SELECT DISTINCT p.oid::regprocedure::text
+          FROM pg_catalog.pg_proc p, aclexplode(p.proacl) a
+         WHERE p.pronamespace = 'pgbroker'::regnamespace
+           AND a.grantee IN (SELECT r.oid FROM pg_catalog.pg_roles r
+                              WHERE r.rolname IN ('pgbroker_broker', 'pgbroker_reader', 'pgbroker_user')
+                                AND NOT pg_catalog.pg_has_role('pgbroker_admin', r.oid, 'USAGE'))
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO pgbroker_admin', v_object);
+    END LOOP;
+    FOR v_object IN
+        SELECT DISTINCT c.oid::regclass::text
+          FROM pg_catalog.pg_class c, aclexplode(c.relacl) a
+         WHERE c.relnamespace = 'pgbroker'::regnamespace AND a.privilege_type = 'SELECT'
+           AND a.grantee IN (SELECT r.oid FROM pg_catalog.pg_roles r
+                              WHERE r.rolname IN ('pgbroker_broker', 'pgbroker_reader', 'pgbroker_user')
+                                AND NOT pg_catalog.pg_has_role('pgbroker_admin', r.oid, 'USAGE'))
+    LOOP
+        EXECUTE format('GRANT SELECT ON %s TO pgbroker_admin', v_object);
+    END LOOP;
+END
+$admin_direct$;
