@@ -252,7 +252,8 @@ def test_a_call_with_mistyped_arguments_is_not_schema_missing(connect, empty_db)
     conn = connect("typed")
     mistyped = server_error(conn, "SELECT pgbroker.kv_set('k'::varchar, '{}'::varchar)")
     assert mistyped.sqlstate == "42883"
-    assert translate(mistyped) is mistyped  # psycopg's UndefinedFunction, untranslated
+    new = translate(mistyped)
+    assert type(new) is errors.DatabaseError and new.sqlstate == "42883" and new.__cause__ is mistyped
     assert conn.execute(
         "SELECT pgbroker.schema_version() IS NOT NULL, to_regproc('pgbroker.kv_set') IS NOT NULL"
     ).fetchone() == (True, True)
