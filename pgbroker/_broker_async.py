@@ -168,11 +168,15 @@ class AsyncBroker(_BrokerBase):
         installs (:class:`SchemaMissing`, :class:`SchemaMismatch`: run
         ``pgbroker migrate``).  Raises :class:`LeaseHeld` (the holder in its
         attributes and ``detail``), :class:`PermissionDenied`,
-        :class:`InvalidArgument`, or a psycopg error for connection problems.
+        :class:`InvalidArgument`, or :class:`DatabaseError` for connection problems (the server unreachable, a
+        replica: SQLSTATE 25006; the psycopg error as ``__cause__``).
         """
         if self._state != "new":
             raise PgBrokerError(f"a {type(self).__name__} claims once; this one is {self._state}")
-        conn = await psycopg.AsyncConnection.connect(self.url, **self._connect_params())
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.url, **self._connect_params())
+        except psycopg.Error as exc:
+            _raise_translated(exc)
         try:
             try:
                 cur = await conn.execute(SCHEMA_VERSION_SQL)
