@@ -361,7 +361,7 @@ BEGIN
     UPDATE pgbroker.lock_name n SET retired_xid = pg_current_xact_id()
      WHERE n.ctid = ANY (ARRAY(
                SELECT x.ctid FROM pgbroker.lock_name x
-                WHERE x.retired_xid IS NULL AND x.pending_exclusive = 0 AND x.pending_shared = 0
+                WHERE x.retired_xid IS NULL   -- (pending holds count only while the registering transaction is open)
                   AND x.key::oid NOT IN (SELECT l.objid FROM pg_locks l
                                           WHERE l.locktype = 'advisory' AND l.database = v_db
                                             AND l.classid = 1885823596::oid AND l.objsubid = 2)

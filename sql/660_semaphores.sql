@@ -105,6 +105,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_keys integer[];
+    v_retired boolean;
     v_timeout text;
 BEGIN
     SELECT array_agg(key ORDER BY permit), bool_or(retired_xid IS NOT NULL) INTO v_keys, v_retired
@@ -343,8 +344,7 @@ BEGIN
      WHERE p.name IN (SELECT x.name FROM pgbroker.semaphore_permit x
                        WHERE x.retired_xid IS NULL
                        GROUP BY x.name
-                      HAVING bool_and(x.pending = 0
-                                      AND x.key::oid NOT IN (SELECT l.objid FROM pg_locks l
+                      HAVING bool_and(x.key::oid NOT IN (SELECT l.objid FROM pg_locks l
                                                               WHERE l.locktype = 'advisory' AND l.database = v_db
                                                                 AND l.classid = 1885823597::oid AND l.objsubid = 2))
                        LIMIT greatest(p_max / 4, 1))
