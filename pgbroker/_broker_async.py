@@ -50,6 +50,8 @@ from pgbroker._core import (
     STATUS_SQL,
     SUBSCRIBE_MANY_SQL,
     SUBSCRIBE_SQL,
+    MAINTAIN_EVERY,
+    MAINTAIN_SQL,
     SWEEP_BATCH,
     SWEEP_SQL,
     UNREGISTER_SQL,
@@ -95,7 +97,10 @@ class AsyncBroker(_BrokerBase):
     ``sweep``: after the claim, delete what earlier epochs of the lease left
     (``broker_sweep``), on a connection of its own, in batches that take at
     most about half of one CPU, until nothing is left (they are invisible
-    from the claim on; this only frees their space).
+    from the claim on; this only frees their space); then, on that connection,
+    the upkeep (``pgbroker.maintain()``) every minute while the lease is held,
+    and again, after a pause as long as the call took, while a call leaves
+    something to remove.
 
     The connection must reach a real session (direct, or a pooler in session
     mode): the lease is a session-level advisory lock.
@@ -516,6 +521,18 @@ class AsyncBroker(_BrokerBase):
                     self._sweep_stop.wait(pause)
             if swept:
                 log.info("%r swept %d rows of earlier epochs", self, swept)
+            # The upkeep (pgbroker.maintain), on the same connection, while the lease is held.
+            while self._state == "held" and not self._sweep_stop.is_set():
+                started = time.monotonic()
+                cur = await conn.execute(MAINTAIN_SQL, {"max_rows": SWEEP_BATCH})
+                rows = await cur.fetchall()
+                more = any(remaining for _part, _removed, remaining in rows)
+                pause = time.monotonic() - started if more else MAINTAIN_EVERY
+                if True:  # ASYNC
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._sweep_stop.wait(), timeout=pause)
+                else:
+                    self._sweep_stop.wait(pause)
         except psycopg.Error as exc:
             log.warning("sweeper of %r stopped: %s", self, exc)
         finally:

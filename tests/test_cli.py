@@ -165,6 +165,7 @@ NEW_COMMANDS = [
     ["subscriptions"],
     ["metrics"],
     ["prune"],
+    ["maintain"],
     ["doctor"],
     ["watch", "initech.objects"],
     ["unwatch", "initech.objects"],

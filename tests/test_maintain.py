@@ -3,6 +3,7 @@ two sessions different keys for one name at the same time (sql/650_locks.sql, "F
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -289,3 +290,33 @@ def test_python_lock_after_its_name_was_forgotten(connect: Connect) -> None:
     lock.release()
     with pytest.raises(PgBrokerError):
         lock.release()
+
+
+def test_the_cli_runs_it_until_nothing_is_left(pg_server, db_name: str, connect: Connect) -> None:
+    from test_cli import pgbroker
+
+    user = connect("U", user="t_user")
+    for i in range(30):
+        user.execute("SELECT pgbroker.lock_acquire(%s), pgbroker.lock_release(%s)", (f"o/{i}", f"o/{i}"))
+    result = pgbroker("maintain", "--max-rows", "7", "--json", "--url", pg_server.url_for(db_name, user="t_broker"))
+    assert result.returncode == 0, result.stderr
+    report = {r["part"]: r for r in json.loads(result.stdout)}
+    assert report["lock names"] == {"part": "lock names", "removed": 30, "remaining": 0}
+    assert count(connect("A"), "lock_name") == 0
+    result = pgbroker("maintain", "--url", pg_server.url_for(db_name, user="t_user"))
+    assert result.returncode == 1 and "permission denied" in result.stderr
+    result = pgbroker("maintain", "--max-rows", "0", "--url", pg_server.url_for(db_name))
+    assert result.returncode == 2
+
+
+def test_a_python_broker_runs_the_upkeep_by_itself(db_url: str, connect: Connect) -> None:
+    from pgbroker import Broker
+
+    admin = connect("A")
+    admin.execute("SELECT pgbroker.rate_limit('idle', 1000, '1 ms')")
+    with Broker(db_url, "upkept"):
+        deadline = time.monotonic() + 20
+        while admin.execute("SELECT count(*) FROM pgbroker.rate_limit_state").fetchone()[0]:
+            assert time.monotonic() < deadline, "the broker did not run maintain()"
+            time.sleep(0.05)
+        assert admin.execute("SELECT last_run_at IS NOT NULL FROM pgbroker.upkeep WHERE part = 'sweep'").fetchone()[0]

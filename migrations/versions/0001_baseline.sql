@@ -5654,12 +5654,16 @@ SELECT 'upkeep', '',
        CASE WHEN u.something AND coalesce(u.last_run < pg_catalog.clock_timestamp() - interval '1 hour', true)
             THEN 'nothing runs the upkeep: run a Python Broker, schedule SELECT pgbroker.maintain() with pg_cron (sql/README.md, "Upkeep"), or run pgbroker maintain' END
   FROM (SELECT min(l.last_run_at) AS last_run, sum(l.remaining) AS remaining,
-               EXISTS (SELECT FROM pgbroker.lock_name) OR EXISTS (SELECT FROM pgbroker.semaphore_permit)
-               OR EXISTS (SELECT FROM pgbroker.rate_limit_state) OR EXISTS (SELECT FROM pgbroker.lease_event)
-               OR EXISTS (SELECT FROM pgbroker.kv_entry e WHERE e.expires_at IS NOT NULL) AS something
+               -- Something the upkeep would remove has waited for more than an hour.
+               EXISTS (SELECT FROM pgbroker.lock_name n WHERE n.created_at < pg_catalog.clock_timestamp() - interval '1 hour')
+               OR EXISTS (SELECT FROM pgbroker.rate_limit_state r
+                           WHERE r.updated_at < pg_catalog.clock_timestamp() - interval '1 hour')
+               OR EXISTS (SELECT FROM pgbroker.kv_entry e WHERE e.expires_at < pg_catalog.clock_timestamp() - interval '1 hour')
+               OR EXISTS (SELECT FROM pgbroker.lease_event e, pgbroker.upkeep_setting s
+                           WHERE e.at < pg_catalog.clock_timestamp() - s.history_retention - interval '1 hour') AS something
           FROM pgbroker.upkeep_log l) u;
 COMMENT ON VIEW pgbroker.health IS
-    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, locks no record accounts for, dead brokers, an upkeep (maintain()) that has not run for an hour. One row per check and subject; fix says what to do when ok is false.';
+    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, locks no record accounts for, dead brokers, an upkeep (maintain()) that has not run for an hour while what it removes waits. One row per check and subject; fix says what to do when ok is false.';
 COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep, unaccounted_lock, broker_alive or upkeep.';
 COMMENT ON COLUMN pgbroker.health.subject IS 'What was checked: a lease name, a watched table, or empty.';
 COMMENT ON COLUMN pgbroker.health.ok IS 'False when something needs fixing.';
