@@ -39,6 +39,8 @@ from pgbroker._core import (
     DEAD_MAN_SQL,
     FETCH_SQL,
     HEARTBEAT_SQL,
+    MAINTAIN_EVERY,
+    MAINTAIN_SQL,
     REGISTER_MANY_SQL,
     REGISTER_SQL,
     RELEASE_SQL,
@@ -50,8 +52,6 @@ from pgbroker._core import (
     STATUS_SQL,
     SUBSCRIBE_MANY_SQL,
     SUBSCRIBE_SQL,
-    MAINTAIN_EVERY,
-    MAINTAIN_SQL,
     SWEEP_BATCH,
     SWEEP_SQL,
     UNREGISTER_SQL,
@@ -99,8 +99,8 @@ class AsyncBroker(_BrokerBase):
     most about half of one CPU, until nothing is left (they are invisible
     from the claim on; this only frees their space); then, on that connection,
     the upkeep (``pgbroker.maintain()``) every minute while the lease is held,
-    and again, after a pause as long as the call took, while a call leaves
-    something to remove.
+    and again, after a pause as long as the call took, while a part of a call
+    removed a full batch.
 
     The connection must reach a real session (direct, or a pooler in session
     mode): the lease is a session-level advisory lock.
@@ -526,7 +526,7 @@ class AsyncBroker(_BrokerBase):
                 started = time.monotonic()
                 cur = await conn.execute(MAINTAIN_SQL, {"max_rows": SWEEP_BATCH})
                 rows = await cur.fetchall()
-                more = any(remaining for _part, _removed, remaining in rows)
+                more = any(removed >= SWEEP_BATCH for _part, removed, _remaining in rows)  # a full batch: more
                 pause = time.monotonic() - started if more else MAINTAIN_EVERY
                 if True:  # ASYNC
                     with contextlib.suppress(asyncio.TimeoutError):

@@ -109,7 +109,7 @@ _MIN_WAKE_GAP = 0.05
 # The sweeper (see _BrokerBase, sweep=): rows per broker_sweep() call.
 SWEEP_BATCH = 5000
 # ... then the upkeep (pgbroker.maintain): one call per MAINTAIN_EVERY seconds while the lease is held, and
-# again after a pause as long as the call took while a call leaves something to remove.
+# again after a pause as long as the call took while a part of a call removed a full batch of SWEEP_BATCH.
 MAINTAIN_EVERY = 60.0
 
 

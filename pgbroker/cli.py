@@ -736,7 +736,9 @@ def sweep(url: str | None, name: str | None) -> int:
 
 @cli.command(short_help="The upkeep, until nothing is left (pgbroker_broker).")
 @_url_option
-@click.option("--max-rows", default=5000, show_default=True, type=click.IntRange(1, 1_000_000), help="Per part and call.")
+@click.option(
+    "--max-rows", default=5000, show_default=True, type=click.IntRange(1, 1_000_000), help="Per part and call."
+)
 @_json_option
 @_command
 def maintain(url: str | None, max_rows: int, as_json: bool) -> int:
@@ -748,8 +750,7 @@ def maintain(url: str | None, max_rows: int, as_json: bool) -> int:
     url = _require_url(url)
     totals: dict[str, dict[str, Any]] = {}
     with _connection(url) as conn:
-        idle = 0  # calls in a row that removed nothing
-        for _ in range(1000):
+        for call in range(1, 1001):
             rows = _rows(conn, MAINTAIN_SQL, {"max_rows": max_rows})
             if not rows:  # another maintain() is running: wait for it
                 time.sleep(0.1)
@@ -758,10 +759,9 @@ def maintain(url: str | None, max_rows: int, as_json: bool) -> int:
                 total = totals.setdefault(row["part"], {"part": row["part"], "removed": 0, "remaining": 0})
                 total["removed"] += row["removed"]
                 total["remaining"] = row["remaining"]
-            idle = 0 if any(r["removed"] for r in rows) else idle + 1
-            # Names found idle go at the next call: stop when nothing is left, or two calls removed nothing
-            # (what is left is in use, or seen by a snapshot older than the call that found it idle).
-            if not any(r["remaining"] for r in rows) or idle >= 2:
+            # Names found idle go at the next call; then stop once no part removed a full batch (what is left
+            # is in use, or seen by a snapshot older than the call that found it idle).
+            if call >= 2 and not any(r["removed"] >= max_rows for r in rows):
                 break
     out = Output()
     if as_json:

@@ -58,11 +58,18 @@ def test_idle_names_and_full_buckets_leave_no_row_and_data_stays(connect: Connec
     assert user.execute("SELECT count(*) FROM pgbroker.kv_get('short')").fetchone()[0] == 0
     assert user.execute("SELECT pgbroker.counter_get('hits')").fetchone()[0] == 5
     # The view keeps the report, the metrics and the health check show it.
-    rows = {r[0]: r[1:] for r in connect("R", user="t_reader").execute(
-        "SELECT part, last_removed, removed_total, remaining FROM pgbroker.upkeep")}
+    rows = {
+        r[0]: r[1:]
+        for r in connect("R", user="t_reader").execute(
+            "SELECT part, last_removed, removed_total, remaining FROM pgbroker.upkeep"
+        )
+    }
     assert rows["lock names"] == (50, 50, 0) and rows["rate limits"] == (0, 50, 0)
-    metrics = dict(admin.execute(
-        "SELECT labels->>'part', value FROM pgbroker.metrics WHERE metric = 'pgbroker_upkeep_removed_total'"))
+    metrics = dict(
+        admin.execute(
+            "SELECT labels->>'part', value FROM pgbroker.metrics WHERE metric = 'pgbroker_upkeep_removed_total'"
+        )
+    )
     assert metrics["semaphores"] == 150
     ok, detail = admin.execute("SELECT ok, detail FROM pgbroker.health WHERE \"check\" = 'upkeep'").fetchone()
     assert ok and "0 row(s) left" in detail
@@ -91,7 +98,8 @@ def test_a_name_in_use_keeps_its_key(connect: Connect) -> None:
     holder.execute("SELECT pgbroker.lock_release('waited')")
     waiting.join(10)
     assert admin.execute("SELECT holder_pid FROM pgbroker.locks WHERE name = 'waited'").fetchone()[0] == (
-        waiter.info.backend_pid)
+        waiter.info.backend_pid
+    )
     assert admin.execute("SELECT count(*) FROM pgbroker.unaccounted_locks").fetchone()[0] == 0
 
 
@@ -151,8 +159,9 @@ def test_cached_keys_step_aside_and_mutual_exclusion_survives_forgetting(connect
                 leave(name, shared)
                 lock.release()
             else:
-                if not conn.execute("SELECT pgbroker.lock_acquire(%s, %s, %s)",
-                                    (name, rng.choice([None, "0", "5 ms"]), shared)).fetchone()[0]:
+                if not conn.execute(
+                    "SELECT pgbroker.lock_acquire(%s, %s, %s)", (name, rng.choice([None, "0", "5 ms"]), shared)
+                ).fetchone()[0]:
                     continue
                 enter(name, shared)
                 time.sleep(rng.uniform(0, 0.002))
@@ -162,6 +171,7 @@ def test_cached_keys_step_aside_and_mutual_exclusion_survives_forgetting(connect
         conn.close()
 
     forgotten = 0
+
     def upkeep() -> None:
         nonlocal forgotten
         conn = connect("upkeep")
@@ -192,8 +202,12 @@ def test_semaphore_bound_survives_forgetting(connect: Connect) -> None:
         conn = connect(f"s{seed}", user="t_user")
         while time.monotonic() < stop:
             pool = rng.choice(pools[: rng.choice([1, 4])])
-            if conn.execute("SELECT pgbroker.semaphore_acquire(%s, 2, %s)", (pool, rng.choice(["0", "5 ms"]))
-                            ).fetchone()[0] is None:
+            if (
+                conn.execute(
+                    "SELECT pgbroker.semaphore_acquire(%s, 2, %s)", (pool, rng.choice(["0", "5 ms"]))
+                ).fetchone()[0]
+                is None
+            ):
                 continue
             with guard:
                 inside[pool] += 1
@@ -208,6 +222,7 @@ def test_semaphore_bound_survives_forgetting(connect: Connect) -> None:
         conn.close()
 
     removed = [0]
+
     def upkeep() -> None:
         conn = connect("upkeep")
         while time.monotonic() < stop:
@@ -228,7 +243,12 @@ def test_lease_history_past_the_retention_goes(connect: Connect) -> None:
     broker.execute("SELECT pgbroker.broker_release('h')")
     assert maintain(admin)["lease history"] == (0, 0)
     admin.execute("SELECT pgbroker.upkeep_set(history_retention => '0')")
-    assert admin.execute("SELECT retention FROM pgbroker.upkeep WHERE part = 'lease history'").fetchone()[0].total_seconds() == 0
+    assert (
+        admin.execute("SELECT retention FROM pgbroker.upkeep WHERE part = 'lease history'")
+        .fetchone()[0]
+        .total_seconds()
+        == 0
+    )
     assert maintain(admin)["lease history"] == (2, 0)
     assert count(connect("S"), "lease_event") == 0
     with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -237,8 +257,16 @@ def test_lease_history_past_the_retention_goes(connect: Connect) -> None:
         broker.execute("SELECT pgbroker.upkeep_set('1 day')")
 
 
-@pytest.mark.parametrize("call", ["maintain(max_rows => 0)", "maintain(max_rows => NULL)",
-                                  "maintain(max_rows => 1000001)", "upkeep_set(NULL)", "upkeep_set('-1 s')"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        "maintain(max_rows => 0)",
+        "maintain(max_rows => NULL)",
+        "maintain(max_rows => 1000001)",
+        "upkeep_set(NULL)",
+        "upkeep_set('-1 s')",
+    ],
+)
 def test_bad_input_is_refused_and_changes_nothing(connect: Connect, call: str) -> None:
     admin = connect("A", user="t_admin")
     with pytest.raises(psycopg.errors.InvalidParameterValue):
