@@ -10,7 +10,7 @@
     pgbroker watch TABLE [--mode row] / unwatch TABLE   install / remove fan-out triggers (pgbroker_admin)
     pgbroker prune      [--older-than '30 days']            trim the lease history (pgbroker_admin)
     pgbroker sweep      [--name N]              delete what earlier epochs left (pgbroker_broker)
-    pgbroker maintain   [--max-rows N] [--json] the upkeep, until nothing is left (pgbroker_broker)
+    pgbroker maintain   [--max-rows N] [--json] the upkeep, until it has caught up (pgbroker_broker)
     pgbroker metrics                            pgbroker.metrics in Prometheus' text format
     pgbroker doctor     [--json]                check the database and the connection path to it
     pgbroker demo       [--url URL]             the lease at work (a throwaway server without --url)
@@ -734,7 +734,7 @@ def sweep(url: str | None, name: str | None) -> int:
     return EXIT_OK
 
 
-@cli.command(short_help="The upkeep, until nothing is left (pgbroker_broker).")
+@cli.command(short_help="The upkeep, until it has caught up (pgbroker_broker).")
 @_url_option
 @click.option(
     "--max-rows", default=5000, show_default=True, type=click.IntRange(1, 1_000_000), help="Per part and call."
@@ -742,8 +742,9 @@ def sweep(url: str | None, name: str | None) -> int:
 @_json_option
 @_command
 def maintain(url: str | None, max_rows: int, as_json: bool) -> int:
-    """Run pgbroker.maintain() until it leaves nothing (at most 1,000 calls): earlier epochs swept, idle lock and
-    semaphore names forgotten, full rate limits, expired key-value entries and old lease history removed.
+    """Run pgbroker.maintain() until no part removes a full batch (at least twice, at most 1,000 calls): earlier
+    epochs swept, idle lock and semaphore names forgotten, full rate limits, expired key-value entries and old
+    lease history removed.
 
     Prints what each part removed and what is left.  The Python Broker runs it every minute; this is for
     databases no Python Broker serves (or pg_cron: sql/README.md, "Upkeep")."""
