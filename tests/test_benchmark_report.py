@@ -178,7 +178,8 @@ def _endurance_minutes(n: int, shrink: bool) -> list[dict]:
         size = 10_000_000 + (0 if shrink else 2_000_000 * i)
         minutes.append({
             "minute": i, "rates": {"writes": 400.0, "fetched": 390.0, "locks": 100.0, "rate_limit": 100.0},
-            "pgbroker_bytes": size, "tables": {"outbox": {"bytes": size // 2, "dead": 10}, "lock_name": {"bytes": size // 2, "dead": 5}},
+            "pgbroker_bytes": size,
+            "tables": {"outbox": {"bytes": size // 2, "dead": 10}, "lock_name": {"bytes": size // 2, "dead": 5}},
             "outbox_backlog": 12, "broker_rss_kb": 40_000, "upkeep": {},
         })  # fmt: skip
     return minutes
