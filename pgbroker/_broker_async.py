@@ -43,6 +43,8 @@ from pgbroker._core import (
     DEAD_MAN_SQL,
     FETCH_SQL,
     HEARTBEAT_SQL,
+    MAINTAIN_EVERY,
+    MAINTAIN_SQL,
     REGISTER_MANY_SQL,
     REGISTER_SQL,
     REGISTRY_SESSION_SQL,
@@ -116,7 +118,10 @@ class AsyncBroker(_BrokerBase):
     ``sweep``: after the claim, delete what earlier epochs of the lease left
     (``broker_sweep``), on a connection of its own, in batches that take at
     most about half of one CPU, until nothing is left (they are invisible
-    from the claim on; this only frees their space).
+    from the claim on; this only frees their space); then, on that connection,
+    the upkeep (``pgbroker.maintain()``) every minute while the lease is held,
+    and again, after a pause as long as the call took, while a part of a call
+    removed a full batch.
     ``registry_connections``: the registry calls (register, attach,
     subscribe, their ``_many`` forms, update_client, unregister,
     unsubscribe) run on up to this many connections of their own, opened on
@@ -800,6 +805,18 @@ class AsyncBroker(_BrokerBase):
                     self._sweep_stop.wait(pause)
             if swept:
                 log.info("%r swept %d rows of earlier epochs", self, swept)
+            # The upkeep (pgbroker.maintain), on the same connection, while the lease is held.
+            while self._state == "held" and not self._sweep_stop.is_set():
+                started = time.monotonic()
+                cur = await conn.execute(MAINTAIN_SQL, {"max_rows": SWEEP_BATCH})
+                rows = await cur.fetchall()
+                more = any(removed >= SWEEP_BATCH for _part, removed, _remaining in rows)  # a full batch: more
+                pause = time.monotonic() - started if more else MAINTAIN_EVERY
+                if True:  # ASYNC
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._sweep_stop.wait(), timeout=pause)
+                else:
+                    self._sweep_stop.wait(pause)
         except psycopg.Error as exc:
             log.warning("sweeper of %r stopped: %s", self, exc)
         finally:

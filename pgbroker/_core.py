@@ -100,6 +100,7 @@ SUBSCRIBE_MANY_SQL = (
     " ORDER BY i), name => %(name)s, epoch => %(epoch)s, wait => %(wait)s)"
 )
 SWEEP_SQL = "SELECT pgbroker.broker_sweep(name => %(name)s, max_rows => %(max_rows)s)"
+MAINTAIN_SQL = "SELECT part, removed, remaining FROM pgbroker.maintain(max_rows => %(max_rows)s)"
 UNSUBSCRIBE_SQL = (
     'SELECT pgbroker.unsubscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, key => %(key)s,'
     " name => %(name)s, epoch => %(epoch)s)"
@@ -180,6 +181,9 @@ _MIN_WAKE_GAP = 0.05
 
 # The sweeper (see _BrokerBase, sweep=): rows per broker_sweep() call.
 SWEEP_BATCH = 5000
+# ... then the upkeep (pgbroker.maintain): one call per MAINTAIN_EVERY seconds while the lease is held, and
+# again after a pause as long as the call took while a part of a call removed a full batch of SWEEP_BATCH.
+MAINTAIN_EVERY = 60.0
 
 
 def batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:

@@ -152,8 +152,10 @@ _VERDICTS: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.Weak
 
 # The lock keys of names, per connection, as pgbroker.lock_key() gave them,
 # with the version of the name grants they were handed out under: only keys
-# of committed registrations, which never change, while lock names have no
-# grant; a grant or revoke since makes the fast path step aside (RAW_LOCK_SQL).  Bounded: cleared when it
+# of committed registrations, while lock names have no grant; a grant or
+# revoke since, or a pgbroker.maintain() that found names idle (it bumps the
+# same version before it may forget a name, whose next use then gets a new
+# key), makes the fast path step aside (RAW_LOCK_SQL).  Bounded: cleared when it
 # grows past LOCK_KEYS_MAX names.
 _LOCK_KEYS: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, int]]] = weakref.WeakKeyDictionary()
 LOCK_KEYS_MAX = 10_000

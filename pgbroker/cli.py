@@ -10,6 +10,7 @@
     pgbroker watch TABLE [--mode row] / unwatch TABLE   install / remove fan-out triggers (pgbroker_admin)
     pgbroker prune      [--older-than '30 days']            trim the lease history (pgbroker_admin)
     pgbroker sweep      [--name N]              delete what earlier epochs left (pgbroker_broker)
+    pgbroker maintain   [--max-rows N] [--json] the upkeep, until it has caught up (pgbroker_broker)
     pgbroker metrics                            pgbroker.metrics in Prometheus' text format
     pgbroker doctor     [--json]                check the database and the connection path to it
     pgbroker console    [--host H --port P] [--admin]   a live console in the browser (the console extra)
@@ -122,6 +123,8 @@ WATCH_SQL = "SELECT pgbroker.watch(%s::text::regclass, mode => %s)"
 UNWATCH_SQL = "SELECT pgbroker.unwatch(%s::text::regclass)"
 PRUNE_SQL = "SELECT pgbroker.lease_history_prune(%s::interval)"
 SWEEP_SQL = "SELECT pgbroker.broker_sweep(%(name)s, %(max_rows)s)"
+MAINTAIN_SQL = "SELECT part, removed, remaining FROM pgbroker.maintain(max_rows => %(max_rows)s)"
+MAINTAIN_COLUMNS = [("part", "part"), ("removed", "removed"), ("remaining", "left")]
 METRICS_SQL = "SELECT metric, labels, value, help FROM pgbroker.metrics ORDER BY metric, labels::text"
 HEALTH_SQL = 'SELECT "check", subject, ok, detail, fix FROM pgbroker.health ORDER BY "check", subject'
 ROLES_SQL = """\
@@ -778,6 +781,44 @@ def sweep(url: str | None, name: str | None) -> int:
     return EXIT_OK
 
 
+@cli.command(short_help="The upkeep, until it has caught up (pgbroker_broker).")
+@_url_option
+@click.option(
+    "--max-rows", default=5000, show_default=True, type=click.IntRange(1, 1_000_000), help="Per part and call."
+)
+@_json_option
+@_command
+def maintain(url: str | None, max_rows: int, as_json: bool) -> int:
+    """Run pgbroker.maintain() until no part removes a full batch (at least twice, at most 1,000 calls): earlier
+    epochs swept, idle lock and semaphore names forgotten, full rate limits, expired key-value entries and old
+    lease history removed.
+
+    Prints what each part removed and what is left.  The Python Broker runs it every minute; this is for
+    databases no Python Broker serves (or pg_cron: sql/README.md, "Upkeep")."""
+    url = _require_url(url)
+    totals: dict[str, dict[str, Any]] = {}
+    with _connection(url) as conn:
+        for call in range(1, 1001):
+            rows = _rows(conn, MAINTAIN_SQL, {"max_rows": max_rows})
+            if not rows:  # another maintain() is running: wait for it
+                time.sleep(0.1)
+                continue
+            for row in rows:
+                total = totals.setdefault(row["part"], {"part": row["part"], "removed": 0, "remaining": 0})
+                total["removed"] += row["removed"]
+                total["remaining"] = row["remaining"]
+            # Names found idle go at the next call; then stop once no part removed a full batch (what is left
+            # is in use, or seen by a snapshot older than the call that found it idle).
+            if call >= 2 and not any(r["removed"] >= max_rows for r in rows):
+                break
+    out = Output()
+    if as_json:
+        out.json(list(totals.values()))
+        return EXIT_OK
+    out.table(list(totals.values()), MAINTAIN_COLUMNS)
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------
 # console (pgbroker/console/, the `console` extra)
 
@@ -1000,7 +1041,8 @@ def doctor(url: str | None, as_json: bool) -> int:
     Checks: schema version against this package, roles and grants, the rights of the role that installed
     pgbroker (what each missing one disables), keepalive
     settings, a transaction-mode pooler on the way, NOTIFY queue usage,
-    outbox lag, triggers of watched tables, brokers whose holder is gone, what is left to sweep, and
+    outbox lag, triggers of watched tables, brokers whose holder is gone, what is left to sweep, an upkeep
+    (maintain) that has not run for an hour while there is something to remove, and
     sessions holding pgbroker's locks that no pgbroker record accounts for (squatters).
     """
     from pgbroker import install

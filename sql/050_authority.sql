@@ -64,8 +64,8 @@ CREATE TABLE pgbroker.name_grant_version (
     singleton boolean PRIMARY KEY DEFAULT true CONSTRAINT name_grant_version_one_row CHECK (singleton)
 );
 INSERT INTO pgbroker.name_grant_version (version) VALUES (0);
-COMMENT ON TABLE pgbroker.name_grant_version IS 'Internal: one row, bumped by every name_grant and name_revoke.';
-COMMENT ON COLUMN pgbroker.name_grant_version.version IS 'Grows with every grant and revoke.';
+COMMENT ON TABLE pgbroker.name_grant_version IS 'Internal: one row, bumped by every name_grant and name_revoke, and by maintain() when it finds lock names idle (their cached keys must not be used).';
+COMMENT ON COLUMN pgbroker.name_grant_version.version IS 'Grows with every grant and revoke, and with every maintain() that finds lock names idle.';
 COMMENT ON COLUMN pgbroker.name_grant_version.singleton IS 'Always true: one row.';
 
 -- Whether role p_role (the session's login role, for the API's checks) may

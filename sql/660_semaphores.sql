@@ -35,6 +35,7 @@ CREATE TABLE pgbroker.semaphore_permit (
     key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT semaphore_permit_key_unique UNIQUE,
     registered_xid xid8 NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
     pending integer NOT NULL DEFAULT 0,
+    retired_xid xid8,
     PRIMARY KEY (name, permit)
 );
 COMMENT ON TABLE pgbroker.semaphore_permit IS
@@ -44,6 +45,7 @@ COMMENT ON COLUMN pgbroker.semaphore_permit.permit IS 'Permit number, 1 to the l
 COMMENT ON COLUMN pgbroker.semaphore_permit.key IS 'Second key of the permit''s advisory lock (the first is 1885823597, ''pgbm'').';
 COMMENT ON COLUMN pgbroker.semaphore_permit.registered_xid IS 'Internal: the transaction that registered the permit.';
 COMMENT ON COLUMN pgbroker.semaphore_permit.pending IS 'Internal: holds taken by the registering transaction, made session locks at its commit.';
+COMMENT ON COLUMN pgbroker.semaphore_permit.retired_xid IS 'Internal: the maintain() transaction that found the semaphore idle (NULL: in use); a later maintain() deletes its permits once no older snapshot is left and they are still free. Using the semaphore clears it.';
 
 CREATE FUNCTION pgbroker._semaphore_permit_commit()
 RETURNS trigger
@@ -103,16 +105,22 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_keys integer[];
+    v_retired boolean;
     v_timeout text;
 BEGIN
-    SELECT array_agg(key ORDER BY permit) INTO v_keys
+    SELECT array_agg(key ORDER BY permit), bool_or(retired_xid IS NOT NULL) INTO v_keys, v_retired
       FROM pgbroker.semaphore_permit WHERE name = p_name AND permit <= p_limit;
-    IF cardinality(v_keys) = p_limit THEN
+    IF cardinality(v_keys) = p_limit AND NOT v_retired THEN
         RETURN v_keys;
     END IF;
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        IF v_retired THEN
+            -- Found idle by maintain(): in use again (waits for a maintain()
+            -- deleting the permits; they are then registered afresh below).
+            UPDATE pgbroker.semaphore_permit SET retired_xid = NULL WHERE name = p_name AND retired_xid IS NOT NULL;
+        END IF;
         INSERT INTO pgbroker.semaphore_permit (name, permit)
         SELECT p_name, g FROM generate_series(1, p_limit) AS g
         ON CONFLICT (name, permit) DO NOTHING;
@@ -127,7 +135,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._semaphore_keys(text, integer, interval) IS
-    'Internal: the advisory lock keys of permits 1..p_limit of semaphore p_name, registered at first use (NULL when a concurrent registration outlasted p_wait).';
+    'Internal: the advisory lock keys of permits 1..p_limit of semaphore p_name, registered at first use or marked in use again after maintain() found them idle (NULL when a concurrent registration outlasted p_wait).';
 
 -- The channel is named after a digest of the name: stable before the first
 -- acquire, at most 63 bytes whatever the name; two names that shared a digest
@@ -154,6 +162,7 @@ DECLARE
     v_name text := semaphore_acquire.name;
     v_keys integer[];
     v_mine boolean;
+    v_retired boolean;
     v_own boolean[];
     v_got integer;
     v_deadline timestamptz;
@@ -173,11 +182,13 @@ BEGIN
         RAISE EXCEPTION 'semaphore limit must be 1 to 1000, got %', coalesce(semaphore_acquire."limit"::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    SELECT array_agg(p.key ORDER BY p.permit), bool_or(p.registered_xid = pg_current_xact_id_if_assigned())
-      INTO v_keys, v_mine
+    SELECT array_agg(p.key ORDER BY p.permit), bool_or(p.registered_xid = pg_current_xact_id_if_assigned()),
+           bool_or(p.retired_xid IS NOT NULL)
+      INTO v_keys, v_mine, v_retired
       FROM pgbroker.semaphore_permit p WHERE p.name = v_name AND p.permit <= semaphore_acquire."limit";
-    IF cardinality(v_keys) IS DISTINCT FROM semaphore_acquire."limit" THEN
-        -- First use of (some of) these permits: register them.
+    IF cardinality(v_keys) IS DISTINCT FROM semaphore_acquire."limit" OR v_retired THEN
+        -- First use of (some of) these permits: register them (or mark them
+        -- in use again after maintain() found them idle).
         v_keys := pgbroker._semaphore_keys(v_name, semaphore_acquire."limit", semaphore_acquire.wait);
         IF v_keys IS NULL THEN
             RETURN NULL;
@@ -283,3 +294,64 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.semaphore_release(text) IS
     'Give back a permit of semaphore NAME held by this session (its highest-numbered one) and NOTIFY semaphore_channel(NAME); false, changing nothing, when it holds none.';
+
+-- Forgetting idle semaphores (maintain()): as for lock names (650_locks.sql,
+-- "Forgetting idle names"), in two passes, a semaphore's permits together:
+-- retired when none is held nor waited for, deleted in a later pass once no
+-- snapshot older than the retiring transaction is left, when a momentary try
+-- gets every one of them.  No client caches permit keys.
+CREATE FUNCTION pgbroker._semaphore_names_upkeep(p_max integer, OUT removed bigint, OUT remaining bigint)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_db oid := (SELECT oid FROM pg_database WHERE datname = current_database());
+    v_horizon xid8 := pgbroker._xid_horizon();
+    v_own integer[];
+    v_name text;
+    v_keys integer[];
+    v_got integer;
+    v_done bigint;
+BEGIN
+    removed := 0;
+    v_own := ARRAY(SELECT l.objid::integer FROM pg_locks l
+                    WHERE l.locktype = 'advisory' AND l.database = v_db AND l.classid = 1885823597::oid
+                      AND l.objsubid = 2 AND l.pid = pg_backend_pid());
+    -- 2. Delete retired semaphores nobody can use a permit key of any more.
+    FOR v_name IN SELECT DISTINCT p.name FROM pgbroker.semaphore_permit p
+                   WHERE p.retired_xid < v_horizon LIMIT greatest(p_max / 4, 1) LOOP
+        v_keys := ARRAY(SELECT p.key FROM pgbroker.semaphore_permit p
+                         WHERE p.name = v_name AND p.retired_xid < v_horizon FOR UPDATE SKIP LOCKED);
+        -- Every permit of the name, each still retired (else: in use again).
+        CONTINUE WHEN cardinality(v_keys) IS DISTINCT FROM
+                      (SELECT count(*) FROM pgbroker.semaphore_permit p WHERE p.name = v_name)
+                      OR v_keys && v_own;
+        v_got := 0;
+        FOR i IN 1 .. cardinality(v_keys) LOOP
+            EXIT WHEN NOT pg_try_advisory_lock(1885823597, v_keys[i]);
+            v_got := i;
+        END LOOP;
+        FOR i IN 1 .. v_got LOOP
+            PERFORM pg_advisory_unlock(1885823597, v_keys[i]);
+        END LOOP;
+        CONTINUE WHEN v_got < cardinality(v_keys);
+        DELETE FROM pgbroker.semaphore_permit p WHERE p.key = ANY (v_keys);
+        GET DIAGNOSTICS v_done = ROW_COUNT;
+        removed := removed + v_done;
+    END LOOP;
+    -- 1. Retire semaphores none of whose permits is held nor waited for.
+    UPDATE pgbroker.semaphore_permit p SET retired_xid = pg_current_xact_id()
+     WHERE p.name IN (SELECT x.name FROM pgbroker.semaphore_permit x
+                       WHERE x.retired_xid IS NULL
+                       GROUP BY x.name
+                      HAVING bool_and(x.key::oid NOT IN (SELECT l.objid FROM pg_locks l
+                                                              WHERE l.locktype = 'advisory' AND l.database = v_db
+                                                                AND l.classid = 1885823597::oid AND l.objsubid = 2))
+                       LIMIT greatest(p_max / 4, 1))
+       AND p.retired_xid IS NULL;
+    SELECT count(*) INTO remaining
+      FROM (SELECT FROM pgbroker.semaphore_permit p WHERE p.retired_xid IS NOT NULL LIMIT p_max) x;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._semaphore_names_upkeep(integer) IS
+    'Internal (maintain()): delete the permits of semaphores retired by an earlier pass that nobody can use any more, and retire semaphores none of whose permits is held nor waited for (about P_MAX / 4 semaphores each); REMOVED permits deleted, REMAINING retired permits left (at most P_MAX counted).';

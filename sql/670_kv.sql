@@ -210,3 +210,25 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_delete(text, bigint) IS
     'Delete KEY; with VERSION only when that is its current version. True when a live entry was deleted (and announced on kv_channel() while a watcher is registered); false, changing nothing visible, otherwise.';
+
+-- Expired entries read as absent; maintain() deletes them, a batch at a
+-- time, skipping rows a writer holds (no announcement: readers saw them
+-- absent from their expiry on).
+CREATE FUNCTION pgbroker._kv_expired_upkeep(p_max integer, OUT removed bigint, OUT remaining bigint)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    DELETE FROM pgbroker.kv_entry e
+     WHERE e.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.kv_entry x
+                                WHERE x.expires_at <= v_now LIMIT p_max FOR UPDATE SKIP LOCKED))
+       AND e.expires_at <= v_now;
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    SELECT count(*) INTO remaining
+      FROM (SELECT FROM pgbroker.kv_entry x WHERE x.expires_at <= v_now LIMIT p_max) x;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._kv_expired_upkeep(integer) IS
+    'Internal (maintain()): delete up to P_MAX expired key-value entries; REMOVED deleted, REMAINING expired ones left (at most P_MAX counted).';

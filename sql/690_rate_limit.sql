@@ -165,3 +165,27 @@ Returns allowed; retry_after, '0' when allowed, else how long until a call of th
 GCRA on the server's clock, one statement per decision: concurrent callers are never allowed more than BURST + RATE * elapsed / PER, and a denied call uses nothing up. Works through any pooler; the name's row stays locked until the transaction ends, so call it in autocommit mode or last in a short transaction.
 22023 for a bad name, or a RATE, PER, BURST or COST that is NULL (BURST may be), zero or negative, or a COST above BURST; nothing is changed then.
 The state is UNLOGGED: a crash (or failover) forgets it and every limit starts full.$$;
+
+-- A bucket that is full again (tat <= now: every unit has been earned back)
+-- decides every call as a missing row does, so maintain() deletes such rows
+-- (their allowed and denied counts go with them), a batch at a time,
+-- skipping rows a caller holds.  A caller waiting for a row being deleted
+-- then inserts a fresh, full, row.
+CREATE FUNCTION pgbroker._rate_limit_upkeep(p_max integer, OUT removed bigint, OUT remaining bigint)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now numeric := EXTRACT(epoch FROM clock_timestamp()) * 1000000000000000;
+BEGIN
+    DELETE FROM pgbroker.rate_limit_state s
+     WHERE s.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.rate_limit_state x
+                                WHERE x.tat <= v_now LIMIT p_max FOR UPDATE SKIP LOCKED))
+       AND s.tat <= v_now;
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    SELECT count(*) INTO remaining
+      FROM (SELECT FROM pgbroker.rate_limit_state x WHERE x.tat <= v_now LIMIT p_max) x;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._rate_limit_upkeep(integer) IS
+    'Internal (maintain()): delete up to P_MAX rate limits whose bucket is full again (indistinguishable from no row); REMOVED deleted, REMAINING full ones left (at most P_MAX counted).';

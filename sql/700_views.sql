@@ -305,5 +305,5 @@ SELECT v.version, ARRAY(SELECT k.kind FROM pgbroker.name_grant_kind k ORDER BY k
   FROM pgbroker.name_grant_version v;
 COMMENT ON VIEW pgbroker.name_grants_version IS
     'A number that changes with every name_grant and name_revoke, and the kinds with grants: what a client caches about a name of a kind without grants stays valid while the number is unchanged (the Python Lock takes a lock by its cached key only then).';
-COMMENT ON COLUMN pgbroker.name_grants_version.version IS 'Grows with every grant and revoke.';
+COMMENT ON COLUMN pgbroker.name_grants_version.version IS 'Grows with every grant and revoke, and with every maintain() that finds lock names idle (a cached lock key is valid while it is unchanged).';
 COMMENT ON COLUMN pgbroker.name_grants_version.kinds IS 'The kinds some grant covers names of (their names are checked at every call, role memberships included).';

@@ -205,10 +205,27 @@ SELECT 'broker_alive', o.name,
             ELSE pg_catalog.format('epoch %s was held by pid %s, which is gone', o.epoch, o.holder_pid) END,
        CASE WHEN NOT o.alive AND o.state = 'held'
             THEN 'no broker runs for this lease: start one (it takes over with the next epoch)' END
-  FROM pgbroker.broker_overview o;
+  FROM pgbroker.broker_overview o
+UNION ALL
+SELECT 'upkeep', '',
+       coalesce(u.last_run >= pg_catalog.clock_timestamp() - interval '1 hour', false) OR NOT u.something,
+       CASE WHEN u.last_run IS NULL THEN 'maintain() never ran'
+            ELSE pg_catalog.format('maintain() last ran %s ago; %s row(s) left to remove',
+                                   date_trunc('second', pg_catalog.clock_timestamp() - u.last_run), u.remaining) END,
+       CASE WHEN u.something AND coalesce(u.last_run < pg_catalog.clock_timestamp() - interval '1 hour', true)
+            THEN 'nothing runs the upkeep: run a Python Broker, schedule SELECT pgbroker.maintain() with pg_cron (sql/README.md, "Upkeep"), or run pgbroker maintain' END
+  FROM (SELECT min(l.last_run_at) AS last_run, sum(l.remaining) AS remaining,
+               -- Something the upkeep would remove has waited for more than an hour.
+               EXISTS (SELECT FROM pgbroker.lock_name n WHERE n.created_at < pg_catalog.clock_timestamp() - interval '1 hour')
+               OR EXISTS (SELECT FROM pgbroker.rate_limit_state r
+                           WHERE r.updated_at < pg_catalog.clock_timestamp() - interval '1 hour')
+               OR EXISTS (SELECT FROM pgbroker.kv_entry e WHERE e.expires_at < pg_catalog.clock_timestamp() - interval '1 hour')
+               OR EXISTS (SELECT FROM pgbroker.lease_event e, pgbroker.upkeep_setting s
+                           WHERE e.at < pg_catalog.clock_timestamp() - s.history_retention - interval '1 hour') AS something
+          FROM pgbroker.upkeep_log l) u;
 COMMENT ON VIEW pgbroker.health IS
-    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, locks no record accounts for, dead brokers. One row per check and subject; fix says what to do when ok is false.';
-COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep, unaccounted_lock or broker_alive.';
+    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, locks no record accounts for, dead brokers, an upkeep (maintain()) that has not run for an hour while what it removes waits. One row per check and subject; fix says what to do when ok is false.';
+COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep, unaccounted_lock, broker_alive or upkeep.';
 COMMENT ON COLUMN pgbroker.health.subject IS 'What was checked: a lease name, a watched table, or empty.';
 COMMENT ON COLUMN pgbroker.health.ok IS 'False when something needs fixing.';
 COMMENT ON COLUMN pgbroker.health.detail IS 'What was found.';
@@ -260,10 +277,24 @@ SELECT v.metric, '{}'::jsonb, v.value, v.help
         'Rate limit calls allowed, all names together (a crash resets it).'),
        ('pgbroker_rate_limit_denied_total', r.denied::double precision,
         'Rate limit calls denied, all names together (a crash resets it).')
-     ) AS v(metric, value, help);
+     ) AS v(metric, value, help)
+UNION ALL
+-- The upkeep, per part of maintain() (pgbroker.upkeep).
+SELECT v.metric, pg_catalog.jsonb_build_object('part', u.part), v.value, v.help
+  FROM pgbroker.upkeep u
+ CROSS JOIN LATERAL (VALUES
+       ('pgbroker_upkeep_removed_total', u.removed_total::double precision,
+        'Rows maintain() removed since install, per part.'),
+       ('pgbroker_upkeep_remaining', u.remaining::double precision,
+        'Rows maintain() left to remove at its last call, per part (at most its max_rows counted).'),
+       ('pgbroker_upkeep_last_run_age_seconds',
+        EXTRACT(epoch FROM pg_catalog.clock_timestamp() - u.last_run_at)::double precision,
+        'Seconds since maintain() last ran the part.')
+     ) AS v(metric, value, help)
+ WHERE v.value IS NOT NULL;
 COMMENT ON VIEW pgbroker.metrics IS
-    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage, rate limit names and calls allowed and denied.';
+    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage, rate limit names and calls allowed and denied, the upkeep per part.';
 COMMENT ON COLUMN pgbroker.metrics.metric IS 'Metric name (the same as postgres_exporter''s through pgbroker/queries.yaml).';
-COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name).';
+COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name; part: the part of maintain()).';
 COMMENT ON COLUMN pgbroker.metrics.value IS 'The sample''s value.';
 COMMENT ON COLUMN pgbroker.metrics.help IS 'HELP text of the metric.';

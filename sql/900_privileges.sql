@@ -67,7 +67,8 @@ GRANT SELECT ON
     pgbroker.unaccounted_locks,
     pgbroker.broker_overview,
     pgbroker.health,
-    pgbroker.metrics
+    pgbroker.metrics,
+    pgbroker.upkeep
 TO pgbroker_reader;
 GRANT EXECUTE ON FUNCTION
     pgbroker.broker_alive(text),
@@ -105,6 +106,7 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_sleep(text, interval),
     pgbroker.wakeup_channel(text),
     pgbroker.broker_sweep(text, integer),
+    pgbroker.maintain(integer),
     pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_broker;
 
@@ -140,7 +142,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.unwatch(regclass, interval),
     pgbroker.lease_history_prune(interval),
     pgbroker.name_grant(text, text, regrole, text),
-    pgbroker.name_revoke(text, text, regrole)
+    pgbroker.name_revoke(text, text, regrole),
+    pgbroker.upkeep_set(interval)
 TO pgbroker_admin;
 
 -- pgbroker_admin has every privilege of the three others, whether or not it

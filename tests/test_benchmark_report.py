@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -168,3 +169,40 @@ def test_missing_matplotlib_says_what_to_install(report, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     with pytest.raises(ImportError, match=r"pip install -e '\.\[bench\]'"):
         report._matplotlib()
+
+
+def _endurance_minutes(n: int, shrink: bool) -> list[dict]:
+    """Minutes of the shape bench_endurance.py records: steady rates, sizes flat (or growing)."""
+    minutes = []
+    for i in range(1, n + 1):
+        size = 10_000_000 + (0 if shrink else 2_000_000 * i)
+        minutes.append({
+            "minute": i, "rates": {"writes": 400.0, "fetched": 390.0, "locks": 100.0, "rate_limit": 100.0},
+            "pgbroker_bytes": size,
+            "tables": {"outbox": {"bytes": size // 2, "dead": 10}, "lock_name": {"bytes": size // 2, "dead": 5}},
+            "outbox_backlog": 12, "broker_rss_kb": 40_000, "upkeep": {},
+        })  # fmt: skip
+    return minutes
+
+
+def test_the_endurance_targets_and_their_section(report, tmp_path):
+    endurance = _bench("bench_endurance")
+    flat = _endurance_minutes(30, shrink=True)
+    verdicts = {v["target"]: v for v in endurance.verdicts(flat, data=False)}
+    assert all(v["ok"] for v in verdicts.values()), verdicts
+    assert verdicts["writes/s, last 10 min / first 10 min"]["value"] == 1.0
+    growing = {v["target"]: v for v in endurance.verdicts(_endurance_minutes(30, shrink=False), data=False)}
+    assert not growing["pgbroker size growth over the last 10 min"]["ok"]
+    assert not growing["pgbroker size / its size after the first minute"]["ok"]
+    data = {"settings": {"minutes": 30, "names": 1_000_000, "data": False, "writers": 4, "rows": 10_000,
+                         "clients": 1000, "per_client": 10, "churn_per_s": 10},
+            "server": "15.18", "minutes": flat, "verdicts": endurance.verdicts(flat, data=False)}  # fmt: skip
+    text = report.endurance_markdown(data, None)
+    assert "## Endurance (bench_endurance.py)" in text and "| 30 | 390 | 100 | 100 | 400 | 10.0 |" in text
+    pytest.importorskip("matplotlib", reason="matplotlib absent: python3 -m pip install -e '.[bench]'")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / report.ENDURANCE_FILE).write_text(json.dumps(data))
+    path = report.write_report([], out)
+    assert "![endurance](endurance.png)" in path.read_text()
+    assert (out / "endurance.png").read_bytes()[:8] == PNG_MAGIC

@@ -165,6 +165,7 @@ NEW_COMMANDS = [
     ["subscriptions"],
     ["metrics"],
     ["prune"],
+    ["maintain"],
     ["doctor"],
     ["watch", "initech.objects"],
     ["unwatch", "initech.objects"],
@@ -395,10 +396,10 @@ def test_metrics_prints_the_view_in_prometheus_text_format(db_url, connect):
         else:
             series, value = line.rsplit(" ", 1)
             samples[series] = float(value)
-    rows = connect("obs").execute("SELECT metric, labels->>'name', value, help FROM pgbroker.metrics").fetchall()
+    rows = connect("obs").execute("SELECT metric, labels, value, help FROM pgbroker.metrics").fetchall()
     assert len(samples) == len(rows)
-    for metric, name, value, help_text in rows:
-        series = metric + (f'{{name="{name}"}}' if name else "")
+    for metric, labels, value, help_text in rows:
+        series = metric + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
         assert series in samples, series
         if not metric.endswith("_age_seconds"):
             assert samples[series] == value, series

@@ -98,7 +98,9 @@ def test_outbox_lag_fails_after_a_minute(connect):
 
 def _metrics(reader) -> dict[tuple[str, str], tuple[float, str]]:
     rows = reader.execute("SELECT metric, labels, value, help FROM pgbroker.metrics").fetchall()
-    samples = {(metric, labels.get("name", "")): (value, help) for metric, labels, value, help in rows}
+    samples = {
+        (metric, labels.get("name", labels.get("part", ""))): (value, help) for metric, labels, value, help in rows
+    }
     assert len(samples) == len(rows), "a metric and label set appear twice"
     return samples
 

@@ -193,8 +193,8 @@ CREATE TABLE pgbroker.name_grant_version (
     singleton boolean PRIMARY KEY DEFAULT true CONSTRAINT name_grant_version_one_row CHECK (singleton)
 );
 INSERT INTO pgbroker.name_grant_version (version) VALUES (0);
-COMMENT ON TABLE pgbroker.name_grant_version IS 'Internal: one row, bumped by every name_grant and name_revoke.';
-COMMENT ON COLUMN pgbroker.name_grant_version.version IS 'Grows with every grant and revoke.';
+COMMENT ON TABLE pgbroker.name_grant_version IS 'Internal: one row, bumped by every name_grant and name_revoke, and by maintain() when it finds lock names idle (their cached keys must not be used).';
+COMMENT ON COLUMN pgbroker.name_grant_version.version IS 'Grows with every grant and revoke, and with every maintain() that finds lock names idle.';
 COMMENT ON COLUMN pgbroker.name_grant_version.singleton IS 'Always true: one row.';
 
 -- Whether role p_role (the session's login role, for the API's checks) may
@@ -3909,7 +3909,8 @@ CREATE TABLE pgbroker.lock_name (
     created_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     registered_xid xid8 NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
     pending_exclusive integer NOT NULL DEFAULT 0,
-    pending_shared integer NOT NULL DEFAULT 0
+    pending_shared integer NOT NULL DEFAULT 0,
+    retired_xid xid8
 );
 COMMENT ON TABLE pgbroker.lock_name IS
     'Names of named locks and their advisory lock keys, registered at first use. Internal: read the view pgbroker.locks.';
@@ -3919,6 +3920,7 @@ COMMENT ON COLUMN pgbroker.lock_name.created_at IS 'When the name was first used
 COMMENT ON COLUMN pgbroker.lock_name.registered_xid IS 'Internal: the transaction that registered the name.';
 COMMENT ON COLUMN pgbroker.lock_name.pending_exclusive IS 'Internal: exclusive session holds taken by the registering transaction, made session locks at its commit.';
 COMMENT ON COLUMN pgbroker.lock_name.pending_shared IS 'Internal: shared session holds taken by the registering transaction, made session locks at its commit.';
+COMMENT ON COLUMN pgbroker.lock_name.retired_xid IS 'Internal: the maintain() transaction that found the name idle (NULL: in use); a later maintain() deletes the row once no snapshot older than that transaction is left and the lock is still free. Using the name clears it.';
 
 CREATE FUNCTION pgbroker._lock_name_commit()
 RETURNS trigger
@@ -3985,12 +3987,18 @@ DECLARE
     v_timeout text;
 BEGIN
     SELECT * INTO v_row FROM pgbroker.lock_name WHERE name = p_name;
-    IF FOUND THEN
+    IF FOUND AND v_row.retired_xid IS NULL THEN
         RETURN v_row;
     END IF;
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        IF v_row.key IS NOT NULL THEN
+            -- Found idle by maintain(): in use again.  This waits for a
+            -- maintain() deleting the row (then nothing is updated, and the
+            -- name is registered afresh below, with a new key).
+            UPDATE pgbroker.lock_name SET retired_xid = NULL WHERE key = v_row.key AND retired_xid IS NOT NULL;
+        END IF;
         INSERT INTO pgbroker.lock_name (name) VALUES (p_name) ON CONFLICT (name) DO NOTHING RETURNING key INTO v_key;
         PERFORM set_config('lock_timeout', v_timeout, true);
     EXCEPTION WHEN lock_not_available THEN
@@ -4002,7 +4010,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._lock_key(text, interval) IS
-    'Internal: the registry row (advisory lock key) of name p_name, registered at first use (waiting at most p_wait for a concurrent registration; NULL when that ran out).';
+    'Internal: the registry row (advisory lock key) of name p_name, registered at first use or marked in use again after maintain() found it idle (waiting at most p_wait for a concurrent registration; NULL when that ran out).';
 
 CREATE FUNCTION pgbroker.lock_acquire(name text, wait interval DEFAULT NULL, shared boolean DEFAULT false,
                                       xact boolean DEFAULT false)
@@ -4015,6 +4023,7 @@ DECLARE
     v_name text := lock_acquire.name;
     v_key integer;
     v_registered xid8;
+    v_retired boolean;
     v_row pgbroker.lock_name;
     v_timeout text;
 BEGIN
@@ -4029,9 +4038,11 @@ BEGIN
     IF lock_acquire.wait < '0'::interval THEN
         PERFORM pgbroker._wait_ms(lock_acquire.wait);   -- 22023 with its message
     END IF;
-    -- The registry row; registered at first use only (few calls pay for that).
-    SELECT l.key, l.registered_xid INTO v_key, v_registered FROM pgbroker.lock_name l WHERE l.name = v_name;
-    IF NOT FOUND THEN
+    -- The registry row; registered at first use only, or marked in use again
+    -- after maintain() found it idle (few calls pay for that).
+    SELECT l.key, l.registered_xid, l.retired_xid IS NOT NULL INTO v_key, v_registered, v_retired
+      FROM pgbroker.lock_name l WHERE l.name = v_name;
+    IF NOT FOUND OR v_retired THEN
         v_row := pgbroker._lock_key(v_name, lock_acquire.wait);
         v_key := v_row.key;
         v_registered := v_row.registered_xid;
@@ -4135,8 +4146,10 @@ Transaction-scoped locks cannot be released early: they end with their transacti
 -- be rolled back (and then never name anything), so it is not handed out.
 -- Clients cache it (the Python Lock does, per connection) and take
 -- pg_advisory_lock(1885823596, key) directly, the same lock lock_acquire()
--- takes: a registered name keeps its key for ever (rows are never deleted
--- nor updated in the key).
+-- takes, while pgbroker.name_grants_version is unchanged: maintain() bumps it
+-- when it finds names idle, before it may delete their rows (see "Forgetting
+-- idle names" below).  A name found idle has no key to hand out (NULL) until
+-- lock_acquire() uses it again.
 CREATE FUNCTION pgbroker.lock_key(name text)
 RETURNS integer
 LANGUAGE sql STABLE
@@ -4145,13 +4158,105 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT pgbroker._name_check('lock', pgbroker._check_key(lock_key.name, 'lock name'), true);
     SELECT l.key FROM pgbroker.lock_name l
-     WHERE l.name = lock_key.name
+     WHERE l.name = lock_key.name AND l.retired_xid IS NULL
        AND l.registered_xid IS DISTINCT FROM pg_current_xact_id_if_assigned();
 $$;
 COMMENT ON FUNCTION pgbroker.lock_key(text) IS
 $$The advisory lock of named lock NAME is (1885823596, lock_key(NAME)) in the two-int4 form: the same lock lock_acquire(NAME) takes, for pg_locks or for a client that caches the key.
-NULL when NAME was never used (it is registered by its first lock_acquire), or when the caller's open transaction registered it (a rollback would void that key).
-A registered name keeps its key for ever.$$;
+NULL when NAME was never used (it is registered by its first lock_acquire), when the caller's open transaction registered it (a rollback would void that key), or when maintain() found it idle (lock_acquire uses it again).
+A name keeps its key while it is in use; a cached key is valid while pgbroker.name_grants_version is unchanged (maintain() changes it before it forgets a name, which then gets a new key at its next use; keys are never reused).$$;
+
+-- Forgetting idle names (maintain(), 720_maintain.sql).  A name nobody holds
+-- nor waits for costs a row for ever unless something deletes it, and a
+-- deleted name registered again gets a new key: a session still using the
+-- old key (a cached key, or a key read just before the deletion) would then
+-- hold "the same name" as a session using the new one.  So forgetting takes
+-- two passes of maintain(), and the row goes only when nobody can use its
+-- key any more:
+--   1. retire: names whose lock nobody holds nor waits for (pg_locks) get
+--      retired_xid = the pass's transaction, and name_grant_version is
+--      bumped in the same transaction: from its commit on, a cached key is
+--      not used (the Python Lock compares that version in the same statement
+--      that takes the lock), lock_key() hands out no key for the name, and
+--      lock_acquire() clears retired_xid (an UPDATE) before it takes the lock.
+--   2. delete, in a later pass: a retired row whose retiring transaction is
+--      older than every snapshot still in use (pg_stat_activity's
+--      backend_xmin and backend_xid: whoever read the row before it was
+--      retired has finished that statement or transaction), locked FOR UPDATE
+--      SKIP LOCKED (a lock_acquire clearing it meanwhile wins: its UPDATE
+--      holds the row, or waits for the deletion and then registers afresh),
+--      and whose advisory lock a momentary try gets (nobody holds it: a
+--      holder keeps its name).  Keys of this session's own locks are skipped
+--      (a try would succeed on them).
+-- A name in use keeps its key; an idle name costs nothing after two passes;
+-- identity values are never given back, so no two names ever share a key.
+
+-- The oldest transaction id whose effects some snapshot in use may not see:
+-- a row changed by a committed transaction older than this is seen changed
+-- by every session.  Conservative (every backend of the cluster counts).
+CREATE FUNCTION pgbroker._xid_horizon()
+RETURNS xid8
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT (pg_current_xact_id()::text::numeric
+            - coalesce((SELECT max(greatest(age(a.backend_xmin), age(a.backend_xid)))
+                          FROM pg_stat_activity a
+                         WHERE a.pid <> pg_backend_pid()
+                           AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)), 0))::text::xid8
+$$;
+COMMENT ON FUNCTION pgbroker._xid_horizon() IS
+    'Internal: the oldest transaction id some other session''s snapshot or transaction may still need; a change committed by an older transaction is seen by everyone.';
+
+CREATE FUNCTION pgbroker._lock_names_upkeep(p_max integer, OUT removed bigint, OUT remaining bigint)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_db oid := (SELECT oid FROM pg_database WHERE datname = current_database());
+    v_horizon xid8 := pgbroker._xid_horizon();
+    v_own integer[];
+    v_keys integer[];
+    v_gone integer[] := '{}';
+    v_retired bigint;
+BEGIN
+    -- This session's own locks: a try would succeed on them.
+    v_own := ARRAY(SELECT l.objid::integer FROM pg_locks l
+                    WHERE l.locktype = 'advisory' AND l.database = v_db AND l.classid = 1885823596::oid
+                      AND l.objsubid = 2 AND l.pid = pg_backend_pid());
+    -- 2. Delete retired names nobody can use the key of any more.
+    v_keys := ARRAY(SELECT n.key FROM pgbroker.lock_name n
+                     WHERE n.retired_xid < v_horizon AND n.key <> ALL (v_own)
+                     LIMIT p_max FOR UPDATE SKIP LOCKED);
+    FOR i IN 1 .. coalesce(cardinality(v_keys), 0) LOOP
+        IF pg_try_advisory_lock(1885823596, v_keys[i]) THEN
+            PERFORM pg_advisory_unlock(1885823596, v_keys[i]);
+            v_gone := v_gone || v_keys[i];
+        END IF;
+    END LOOP;
+    DELETE FROM pgbroker.lock_name n WHERE n.key = ANY (v_gone);
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    -- 1. Retire names whose lock nobody holds nor waits for.
+    UPDATE pgbroker.lock_name n SET retired_xid = pg_current_xact_id()
+     WHERE n.ctid = ANY (ARRAY(
+               SELECT x.ctid FROM pgbroker.lock_name x
+                WHERE x.retired_xid IS NULL   -- (pending holds count only while the registering transaction is open)
+                  AND x.key::oid NOT IN (SELECT l.objid FROM pg_locks l
+                                          WHERE l.locktype = 'advisory' AND l.database = v_db
+                                            AND l.classid = 1885823596::oid AND l.objsubid = 2)
+                LIMIT p_max FOR UPDATE SKIP LOCKED));
+    GET DIAGNOSTICS v_retired = ROW_COUNT;
+    IF v_retired > 0 THEN
+        -- Cached keys step aside from this commit on (see above).
+        UPDATE pgbroker.name_grant_version SET version = version + 1;
+    END IF;
+    -- Left: names retired and not yet deleted (a bounded count).
+    SELECT count(*) INTO remaining
+      FROM (SELECT FROM pgbroker.lock_name n WHERE n.retired_xid IS NOT NULL LIMIT p_max) x;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._lock_names_upkeep(integer) IS
+    'Internal (maintain()): delete up to P_MAX lock names retired by an earlier pass that nobody can use any more, and retire up to P_MAX names nobody holds nor waits for; REMOVED deleted, REMAINING retired names left (at most P_MAX counted).';
 
 -- ===== sql/660_semaphores.sql =====
 
@@ -4192,6 +4297,7 @@ CREATE TABLE pgbroker.semaphore_permit (
     key integer GENERATED ALWAYS AS IDENTITY CONSTRAINT semaphore_permit_key_unique UNIQUE,
     registered_xid xid8 NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
     pending integer NOT NULL DEFAULT 0,
+    retired_xid xid8,
     PRIMARY KEY (name, permit)
 );
 COMMENT ON TABLE pgbroker.semaphore_permit IS
@@ -4201,6 +4307,7 @@ COMMENT ON COLUMN pgbroker.semaphore_permit.permit IS 'Permit number, 1 to the l
 COMMENT ON COLUMN pgbroker.semaphore_permit.key IS 'Second key of the permit''s advisory lock (the first is 1885823597, ''pgbm'').';
 COMMENT ON COLUMN pgbroker.semaphore_permit.registered_xid IS 'Internal: the transaction that registered the permit.';
 COMMENT ON COLUMN pgbroker.semaphore_permit.pending IS 'Internal: holds taken by the registering transaction, made session locks at its commit.';
+COMMENT ON COLUMN pgbroker.semaphore_permit.retired_xid IS 'Internal: the maintain() transaction that found the semaphore idle (NULL: in use); a later maintain() deletes its permits once no older snapshot is left and they are still free. Using the semaphore clears it.';
 
 CREATE FUNCTION pgbroker._semaphore_permit_commit()
 RETURNS trigger
@@ -4260,16 +4367,22 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_keys integer[];
+    v_retired boolean;
     v_timeout text;
 BEGIN
-    SELECT array_agg(key ORDER BY permit) INTO v_keys
+    SELECT array_agg(key ORDER BY permit), bool_or(retired_xid IS NOT NULL) INTO v_keys, v_retired
       FROM pgbroker.semaphore_permit WHERE name = p_name AND permit <= p_limit;
-    IF cardinality(v_keys) = p_limit THEN
+    IF cardinality(v_keys) = p_limit AND NOT v_retired THEN
         RETURN v_keys;
     END IF;
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        IF v_retired THEN
+            -- Found idle by maintain(): in use again (waits for a maintain()
+            -- deleting the permits; they are then registered afresh below).
+            UPDATE pgbroker.semaphore_permit SET retired_xid = NULL WHERE name = p_name AND retired_xid IS NOT NULL;
+        END IF;
         INSERT INTO pgbroker.semaphore_permit (name, permit)
         SELECT p_name, g FROM generate_series(1, p_limit) AS g
         ON CONFLICT (name, permit) DO NOTHING;
@@ -4284,7 +4397,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._semaphore_keys(text, integer, interval) IS
-    'Internal: the advisory lock keys of permits 1..p_limit of semaphore p_name, registered at first use (NULL when a concurrent registration outlasted p_wait).';
+    'Internal: the advisory lock keys of permits 1..p_limit of semaphore p_name, registered at first use or marked in use again after maintain() found them idle (NULL when a concurrent registration outlasted p_wait).';
 
 -- The channel is named after a digest of the name: stable before the first
 -- acquire, at most 63 bytes whatever the name; two names that shared a digest
@@ -4311,6 +4424,7 @@ DECLARE
     v_name text := semaphore_acquire.name;
     v_keys integer[];
     v_mine boolean;
+    v_retired boolean;
     v_own boolean[];
     v_got integer;
     v_deadline timestamptz;
@@ -4330,11 +4444,13 @@ BEGIN
         RAISE EXCEPTION 'semaphore limit must be 1 to 1000, got %', coalesce(semaphore_acquire."limit"::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    SELECT array_agg(p.key ORDER BY p.permit), bool_or(p.registered_xid = pg_current_xact_id_if_assigned())
-      INTO v_keys, v_mine
+    SELECT array_agg(p.key ORDER BY p.permit), bool_or(p.registered_xid = pg_current_xact_id_if_assigned()),
+           bool_or(p.retired_xid IS NOT NULL)
+      INTO v_keys, v_mine, v_retired
       FROM pgbroker.semaphore_permit p WHERE p.name = v_name AND p.permit <= semaphore_acquire."limit";
-    IF cardinality(v_keys) IS DISTINCT FROM semaphore_acquire."limit" THEN
-        -- First use of (some of) these permits: register them.
+    IF cardinality(v_keys) IS DISTINCT FROM semaphore_acquire."limit" OR v_retired THEN
+        -- First use of (some of) these permits: register them (or mark them
+        -- in use again after maintain() found them idle).
         v_keys := pgbroker._semaphore_keys(v_name, semaphore_acquire."limit", semaphore_acquire.wait);
         IF v_keys IS NULL THEN
             RETURN NULL;
@@ -4440,6 +4556,67 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.semaphore_release(text) IS
     'Give back a permit of semaphore NAME held by this session (its highest-numbered one) and NOTIFY semaphore_channel(NAME); false, changing nothing, when it holds none.';
+
+-- Forgetting idle semaphores (maintain()): as for lock names (650_locks.sql,
+-- "Forgetting idle names"), in two passes, a semaphore's permits together:
+-- retired when none is held nor waited for, deleted in a later pass once no
+-- snapshot older than the retiring transaction is left, when a momentary try
+-- gets every one of them.  No client caches permit keys.
+CREATE FUNCTION pgbroker._semaphore_names_upkeep(p_max integer, OUT removed bigint, OUT remaining bigint)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_db oid := (SELECT oid FROM pg_database WHERE datname = current_database());
+    v_horizon xid8 := pgbroker._xid_horizon();
+    v_own integer[];
+    v_name text;
+    v_keys integer[];
+    v_got integer;
+    v_done bigint;
+BEGIN
+    removed := 0;
+    v_own := ARRAY(SELECT l.objid::integer FROM pg_locks l
+                    WHERE l.locktype = 'advisory' AND l.database = v_db AND l.classid = 1885823597::oid
+                      AND l.objsubid = 2 AND l.pid = pg_backend_pid());
+    -- 2. Delete retired semaphores nobody can use a permit key of any more.
+    FOR v_name IN SELECT DISTINCT p.name FROM pgbroker.semaphore_permit p
+                   WHERE p.retired_xid < v_horizon LIMIT greatest(p_max / 4, 1) LOOP
+        v_keys := ARRAY(SELECT p.key FROM pgbroker.semaphore_permit p
+                         WHERE p.name = v_name AND p.retired_xid < v_horizon FOR UPDATE SKIP LOCKED);
+        -- Every permit of the name, each still retired (else: in use again).
+        CONTINUE WHEN cardinality(v_keys) IS DISTINCT FROM
+                      (SELECT count(*) FROM pgbroker.semaphore_permit p WHERE p.name = v_name)
+                      OR v_keys && v_own;
+        v_got := 0;
+        FOR i IN 1 .. cardinality(v_keys) LOOP
+            EXIT WHEN NOT pg_try_advisory_lock(1885823597, v_keys[i]);
+            v_got := i;
+        END LOOP;
+        FOR i IN 1 .. v_got LOOP
+            PERFORM pg_advisory_unlock(1885823597, v_keys[i]);
+        END LOOP;
+        CONTINUE WHEN v_got < cardinality(v_keys);
+        DELETE FROM pgbroker.semaphore_permit p WHERE p.key = ANY (v_keys);
+        GET DIAGNOSTICS v_done = ROW_COUNT;
+        removed := removed + v_done;
+    END LOOP;
+    -- 1. Retire semaphores none of whose permits is held nor waited for.
+    UPDATE pgbroker.semaphore_permit p SET retired_xid = pg_current_xact_id()
+     WHERE p.name IN (SELECT x.name FROM pgbroker.semaphore_permit x
+                       WHERE x.retired_xid IS NULL
+                       GROUP BY x.name
+                      HAVING bool_and(x.key::oid NOT IN (SELECT l.objid FROM pg_locks l
+                                                              WHERE l.locktype = 'advisory' AND l.database = v_db
+                                                                AND l.classid = 1885823597::oid AND l.objsubid = 2))
+                       LIMIT greatest(p_max / 4, 1))
+       AND p.retired_xid IS NULL;
+    SELECT count(*) INTO remaining
+      FROM (SELECT FROM pgbroker.semaphore_permit p WHERE p.retired_xid IS NOT NULL LIMIT p_max) x;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._semaphore_names_upkeep(integer) IS
+    'Internal (maintain()): delete the permits of semaphores retired by an earlier pass that nobody can use any more, and retire semaphores none of whose permits is held nor waited for (about P_MAX / 4 semaphores each); REMOVED permits deleted, REMAINING retired permits left (at most P_MAX counted).';
 
 -- ===== sql/670_kv.sql =====
 
@@ -4655,6 +4832,28 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_delete(text, bigint) IS
     'Delete KEY; with VERSION only when that is its current version. True when a live entry was deleted (and announced on kv_channel() while a watcher is registered); false, changing nothing visible, otherwise.';
+
+-- Expired entries read as absent; maintain() deletes them, a batch at a
+-- time, skipping rows a writer holds (no announcement: readers saw them
+-- absent from their expiry on).
+CREATE FUNCTION pgbroker._kv_expired_upkeep(p_max integer, OUT removed bigint, OUT remaining bigint)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    DELETE FROM pgbroker.kv_entry e
+     WHERE e.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.kv_entry x
+                                WHERE x.expires_at <= v_now LIMIT p_max FOR UPDATE SKIP LOCKED))
+       AND e.expires_at <= v_now;
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    SELECT count(*) INTO remaining
+      FROM (SELECT FROM pgbroker.kv_entry x WHERE x.expires_at <= v_now LIMIT p_max) x;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._kv_expired_upkeep(integer) IS
+    'Internal (maintain()): delete up to P_MAX expired key-value entries; REMOVED deleted, REMAINING expired ones left (at most P_MAX counted).';
 
 -- ===== sql/680_counters.sql =====
 
@@ -4907,6 +5106,30 @@ Returns allowed; retry_after, '0' when allowed, else how long until a call of th
 GCRA on the server's clock, one statement per decision: concurrent callers are never allowed more than BURST + RATE * elapsed / PER, and a denied call uses nothing up. Works through any pooler; the name's row stays locked until the transaction ends, so call it in autocommit mode or last in a short transaction.
 22023 for a bad name, or a RATE, PER, BURST or COST that is NULL (BURST may be), zero or negative, or a COST above BURST; nothing is changed then.
 The state is UNLOGGED: a crash (or failover) forgets it and every limit starts full.$$;
+
+-- A bucket that is full again (tat <= now: every unit has been earned back)
+-- decides every call as a missing row does, so maintain() deletes such rows
+-- (their allowed and denied counts go with them), a batch at a time,
+-- skipping rows a caller holds.  A caller waiting for a row being deleted
+-- then inserts a fresh, full, row.
+CREATE FUNCTION pgbroker._rate_limit_upkeep(p_max integer, OUT removed bigint, OUT remaining bigint)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now numeric := EXTRACT(epoch FROM clock_timestamp()) * 1000000000000000;
+BEGIN
+    DELETE FROM pgbroker.rate_limit_state s
+     WHERE s.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.rate_limit_state x
+                                WHERE x.tat <= v_now LIMIT p_max FOR UPDATE SKIP LOCKED))
+       AND s.tat <= v_now;
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    SELECT count(*) INTO remaining
+      FROM (SELECT FROM pgbroker.rate_limit_state x WHERE x.tat <= v_now LIMIT p_max) x;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._rate_limit_upkeep(integer) IS
+    'Internal (maintain()): delete up to P_MAX rate limits whose bucket is full again (indistinguishable from no row); REMOVED deleted, REMAINING full ones left (at most P_MAX counted).';
 
 -- ===== sql/700_views.sql =====
 
@@ -5217,8 +5440,163 @@ SELECT v.version, ARRAY(SELECT k.kind FROM pgbroker.name_grant_kind k ORDER BY k
   FROM pgbroker.name_grant_version v;
 COMMENT ON VIEW pgbroker.name_grants_version IS
     'A number that changes with every name_grant and name_revoke, and the kinds with grants: what a client caches about a name of a kind without grants stays valid while the number is unchanged (the Python Lock takes a lock by its cached key only then).';
-COMMENT ON COLUMN pgbroker.name_grants_version.version IS 'Grows with every grant and revoke.';
+COMMENT ON COLUMN pgbroker.name_grants_version.version IS 'Grows with every grant and revoke, and with every maintain() that finds lock names idle (a cached lock key is valid while it is unchanged).';
 COMMENT ON COLUMN pgbroker.name_grants_version.kinds IS 'The kinds some grant covers names of (their names are checked at every call, role memberships included).';
+
+-- ===== sql/720_maintain.sql =====
+
+-- pgbroker: the upkeep, one entry point, run by every Python Broker.
+--
+-- maintain() does, a bounded batch of each per call, in one short
+-- transaction that nobody waits for (rows are taken FOR UPDATE SKIP LOCKED,
+-- advisory locks only tried, and a part that would wait more than 100 ms for
+-- a row is skipped until the next call):
+--   sweep           what earlier epochs of every lease left (broker_sweep,
+--                   550_sweep.sql), and TTL leases that expired unnoticed
+--   lock names      names nobody holds nor waits for are forgotten, in two
+--                   passes (650_locks.sql, "Forgetting idle names"): a name
+--                   in use keeps its key, an idle one costs no row
+--   semaphores      the same for semaphores, all permits of one together
+--   rate limits     buckets that are full again (no different from no row)
+--   kv expired      key-value entries whose TTL ran out
+--   lease history   lease_event rows older than the retention the operator
+--                   sets with upkeep_set() (30 days unless set)
+-- Counters and live key-value entries are data: they stay until deleted.
+-- Each call returns a row per part: what it removed and what is left (at
+-- most MAX_ROWS counted); the view pgbroker.upkeep keeps the last call's
+-- report and the totals since install, for the health check, the metrics
+-- and `pgbroker doctor`.  Two calls at once: the second returns no row at
+-- once.  The Python Broker calls it every minute while it holds its lease,
+-- and again soon while a part removed a full batch; elsewhere pg_cron runs
+-- it (sql/README.md, "Upkeep").
+
+CREATE TABLE pgbroker.upkeep_setting (
+    history_retention interval NOT NULL DEFAULT '30 days'
+        CONSTRAINT upkeep_setting_retention_valid CHECK (history_retention >= '0'::interval),
+    singleton boolean PRIMARY KEY DEFAULT true CONSTRAINT upkeep_setting_one_row CHECK (singleton)
+);
+INSERT INTO pgbroker.upkeep_setting DEFAULT VALUES;
+COMMENT ON TABLE pgbroker.upkeep_setting IS 'Internal: one row, the operator''s settings of maintain() (set with upkeep_set(); read the view pgbroker.upkeep).';
+COMMENT ON COLUMN pgbroker.upkeep_setting.history_retention IS 'maintain() deletes lease history events older than this.';
+COMMENT ON COLUMN pgbroker.upkeep_setting.singleton IS 'Always true: one row.';
+
+CREATE TABLE pgbroker.upkeep_log (
+    part text PRIMARY KEY,
+    position integer NOT NULL,
+    last_run_at timestamptz,
+    last_removed bigint NOT NULL DEFAULT 0,
+    removed_total bigint NOT NULL DEFAULT 0,
+    remaining bigint
+);
+INSERT INTO pgbroker.upkeep_log (part, position)
+VALUES ('sweep', 1), ('lock names', 2), ('semaphores', 3), ('rate limits', 4), ('kv expired', 5), ('lease history', 6);
+COMMENT ON TABLE pgbroker.upkeep_log IS 'Internal: per part of maintain(), its last call''s report and the total removed. Read the view pgbroker.upkeep.';
+COMMENT ON COLUMN pgbroker.upkeep_log.part IS 'sweep, lock names, semaphores, rate limits, kv expired or lease history.';
+COMMENT ON COLUMN pgbroker.upkeep_log.position IS 'Order of the parts in a call.';
+COMMENT ON COLUMN pgbroker.upkeep_log.last_run_at IS 'When maintain() last ran this part (NULL: never).';
+COMMENT ON COLUMN pgbroker.upkeep_log.last_removed IS 'Rows it removed then.';
+COMMENT ON COLUMN pgbroker.upkeep_log.removed_total IS 'Rows removed since install.';
+COMMENT ON COLUMN pgbroker.upkeep_log.remaining IS 'Rows left to remove after that call (at most its MAX_ROWS counted; NULL: the part was skipped, a row it needed was busy).';
+
+CREATE FUNCTION pgbroker.upkeep_set(history_retention interval)
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF upkeep_set.history_retention IS NULL OR upkeep_set.history_retention < '0'::interval THEN
+        RAISE EXCEPTION 'history_retention must be a non-negative interval, got %',
+                        coalesce(upkeep_set.history_retention::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE pgbroker.upkeep_setting SET history_retention = upkeep_set.history_retention;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.upkeep_set(interval) IS
+    'pgbroker_admin: maintain() deletes lease history events older than HISTORY_RETENTION (non-negative; 22023 otherwise). The default is 30 days.';
+
+CREATE FUNCTION pgbroker.maintain(max_rows integer DEFAULT 5000)
+RETURNS TABLE (part text, removed bigint, remaining bigint)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '100ms'
+AS $$
+DECLARE
+    v_max integer := maintain.max_rows;
+    v_retention interval;
+    v_removed bigint;
+    v_remaining bigint;
+BEGIN
+    IF v_max IS NULL OR v_max < 1 OR v_max > 1000000 THEN
+        RAISE EXCEPTION 'max_rows must be 1 to 1000000, got %', coalesce(v_max::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- One call at a time; a second returns at once, with no row.
+    SELECT s.history_retention INTO v_retention FROM pgbroker.upkeep_setting s FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    FOR maintain.part IN SELECT u.part FROM pgbroker.upkeep_log u ORDER BY u.position LOOP
+        BEGIN
+            CASE maintain.part
+                WHEN 'sweep' THEN
+                    v_removed := pgbroker.broker_sweep(NULL, v_max);
+                    SELECT coalesce(sum(w.clients + w.subscriptions + w.interest + w.outbox + w.state), 0)
+                      INTO v_remaining FROM pgbroker.sweep_backlog w;
+                WHEN 'lock names' THEN
+                    SELECT u.removed, u.remaining INTO v_removed, v_remaining FROM pgbroker._lock_names_upkeep(v_max) u;
+                WHEN 'semaphores' THEN
+                    SELECT u.removed, u.remaining INTO v_removed, v_remaining FROM pgbroker._semaphore_names_upkeep(v_max) u;
+                WHEN 'rate limits' THEN
+                    SELECT u.removed, u.remaining INTO v_removed, v_remaining FROM pgbroker._rate_limit_upkeep(v_max) u;
+                WHEN 'kv expired' THEN
+                    SELECT u.removed, u.remaining INTO v_removed, v_remaining FROM pgbroker._kv_expired_upkeep(v_max) u;
+                WHEN 'lease history' THEN
+                    DELETE FROM pgbroker.lease_event e
+                     WHERE e.id = ANY (ARRAY(SELECT x.id FROM pgbroker.lease_event x
+                                              WHERE x.at < clock_timestamp() - v_retention
+                                              ORDER BY x.id LIMIT v_max FOR UPDATE SKIP LOCKED));
+                    GET DIAGNOSTICS v_removed = ROW_COUNT;
+                    SELECT count(*) INTO v_remaining
+                      FROM (SELECT FROM pgbroker.lease_event x
+                             WHERE x.at < clock_timestamp() - v_retention LIMIT v_max) x;
+            END CASE;
+        EXCEPTION WHEN lock_not_available THEN
+            -- A row this part needed was busy for 100 ms: next call.
+            v_removed := 0;
+            v_remaining := NULL;
+        END;
+        UPDATE pgbroker.upkeep_log u
+           SET last_run_at = clock_timestamp(), last_removed = v_removed,
+               removed_total = u.removed_total + v_removed, remaining = v_remaining
+         WHERE u.part = maintain.part;
+        maintain.removed := v_removed;
+        maintain.remaining := v_remaining;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.maintain(integer) IS
+$$The upkeep, in one call: removes at most MAX_ROWS (1 to 1000000; default 5000) rows of each part and returns a row per part, in order: sweep (what earlier epochs of every lease left, broker_sweep), lock names and semaphores nobody holds nor waits for (forgotten in two passes; a name in use keeps its key), rate limits whose bucket is full again, kv expired (entries whose TTL ran out), lease history (older than the retention of upkeep_set(), 30 days unless set).
+REMOVED: rows it deleted; REMAINING: rows left to remove (at most MAX_ROWS counted; NULL when the part was skipped because a row it needed stayed busy for 100 ms). Call it again while a part removed MAX_ROWS (more is left); names it finds idle go at a later call, so a minute apart suits it.
+Nobody waits for it: rows are taken FOR UPDATE SKIP LOCKED and advisory locks only tried. No row at all: another maintain() is running. Counters and live key-value entries are never removed.
+Call it in autocommit mode (each call commits its batches); the Python Broker calls it every minute, pg_cron can too (sql/README.md, "Upkeep").$$;
+
+CREATE VIEW pgbroker.upkeep AS
+SELECT u.part, u.last_run_at, u.last_removed, u.removed_total, u.remaining,
+       CASE WHEN u.part = 'lease history' THEN s.history_retention END AS retention
+  FROM pgbroker.upkeep_log u CROSS JOIN pgbroker.upkeep_setting s
+ ORDER BY u.position;
+COMMENT ON VIEW pgbroker.upkeep IS
+    'One row per part of maintain(): when it last ran, what it removed then and since install, and what it left to remove.';
+COMMENT ON COLUMN pgbroker.upkeep.part IS 'sweep, lock names, semaphores, rate limits, kv expired or lease history.';
+COMMENT ON COLUMN pgbroker.upkeep.last_run_at IS 'When maintain() last ran it (NULL: never).';
+COMMENT ON COLUMN pgbroker.upkeep.last_removed IS 'Rows removed by that call.';
+COMMENT ON COLUMN pgbroker.upkeep.removed_total IS 'Rows removed since install.';
+COMMENT ON COLUMN pgbroker.upkeep.remaining IS 'Rows left to remove after that call (at most its MAX_ROWS counted; NULL: skipped, a row it needed was busy).';
+COMMENT ON COLUMN pgbroker.upkeep.retention IS 'For lease history: the retention set with upkeep_set().';
 
 -- ===== sql/750_console.sql =====
 
@@ -5429,10 +5807,27 @@ SELECT 'broker_alive', o.name,
             ELSE pg_catalog.format('epoch %s was held by pid %s, which is gone', o.epoch, o.holder_pid) END,
        CASE WHEN NOT o.alive AND o.state = 'held'
             THEN 'no broker runs for this lease: start one (it takes over with the next epoch)' END
-  FROM pgbroker.broker_overview o;
+  FROM pgbroker.broker_overview o
+UNION ALL
+SELECT 'upkeep', '',
+       coalesce(u.last_run >= pg_catalog.clock_timestamp() - interval '1 hour', false) OR NOT u.something,
+       CASE WHEN u.last_run IS NULL THEN 'maintain() never ran'
+            ELSE pg_catalog.format('maintain() last ran %s ago; %s row(s) left to remove',
+                                   date_trunc('second', pg_catalog.clock_timestamp() - u.last_run), u.remaining) END,
+       CASE WHEN u.something AND coalesce(u.last_run < pg_catalog.clock_timestamp() - interval '1 hour', true)
+            THEN 'nothing runs the upkeep: run a Python Broker, schedule SELECT pgbroker.maintain() with pg_cron (sql/README.md, "Upkeep"), or run pgbroker maintain' END
+  FROM (SELECT min(l.last_run_at) AS last_run, sum(l.remaining) AS remaining,
+               -- Something the upkeep would remove has waited for more than an hour.
+               EXISTS (SELECT FROM pgbroker.lock_name n WHERE n.created_at < pg_catalog.clock_timestamp() - interval '1 hour')
+               OR EXISTS (SELECT FROM pgbroker.rate_limit_state r
+                           WHERE r.updated_at < pg_catalog.clock_timestamp() - interval '1 hour')
+               OR EXISTS (SELECT FROM pgbroker.kv_entry e WHERE e.expires_at < pg_catalog.clock_timestamp() - interval '1 hour')
+               OR EXISTS (SELECT FROM pgbroker.lease_event e, pgbroker.upkeep_setting s
+                           WHERE e.at < pg_catalog.clock_timestamp() - s.history_retention - interval '1 hour') AS something
+          FROM pgbroker.upkeep_log l) u;
 COMMENT ON VIEW pgbroker.health IS
-    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, locks no record accounts for, dead brokers. One row per check and subject; fix says what to do when ok is false.';
-COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep, unaccounted_lock or broker_alive.';
+    'Health checks the database can answer: NOTIFY queue, outbox lag (60 s), watched tables'' triggers, earlier epochs left unswept 5 minutes after a claim, locks no record accounts for, dead brokers, an upkeep (maintain()) that has not run for an hour while what it removes waits. One row per check and subject; fix says what to do when ok is false.';
+COMMENT ON COLUMN pgbroker.health."check" IS 'notify_queue, outbox_lag, watch_triggers, sweep, unaccounted_lock, broker_alive or upkeep.';
 COMMENT ON COLUMN pgbroker.health.subject IS 'What was checked: a lease name, a watched table, or empty.';
 COMMENT ON COLUMN pgbroker.health.ok IS 'False when something needs fixing.';
 COMMENT ON COLUMN pgbroker.health.detail IS 'What was found.';
@@ -5484,11 +5879,25 @@ SELECT v.metric, '{}'::jsonb, v.value, v.help
         'Rate limit calls allowed, all names together (a crash resets it).'),
        ('pgbroker_rate_limit_denied_total', r.denied::double precision,
         'Rate limit calls denied, all names together (a crash resets it).')
-     ) AS v(metric, value, help);
+     ) AS v(metric, value, help)
+UNION ALL
+-- The upkeep, per part of maintain() (pgbroker.upkeep).
+SELECT v.metric, pg_catalog.jsonb_build_object('part', u.part), v.value, v.help
+  FROM pgbroker.upkeep u
+ CROSS JOIN LATERAL (VALUES
+       ('pgbroker_upkeep_removed_total', u.removed_total::double precision,
+        'Rows maintain() removed since install, per part.'),
+       ('pgbroker_upkeep_remaining', u.remaining::double precision,
+        'Rows maintain() left to remove at its last call, per part (at most its max_rows counted).'),
+       ('pgbroker_upkeep_last_run_age_seconds',
+        EXTRACT(epoch FROM pg_catalog.clock_timestamp() - u.last_run_at)::double precision,
+        'Seconds since maintain() last ran the part.')
+     ) AS v(metric, value, help)
+ WHERE v.value IS NOT NULL;
 COMMENT ON VIEW pgbroker.metrics IS
-    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage, rate limit names and calls allowed and denied.';
+    'Prometheus samples, one row per metric and label set: lease epoch, holder alive, heartbeat age, takeovers, clients, subscriptions, outbox backlog and oldest age, sweep backlog per broker, NOTIFY queue usage, rate limit names and calls allowed and denied, the upkeep per part.';
 COMMENT ON COLUMN pgbroker.metrics.metric IS 'Metric name (the same as postgres_exporter''s through pgbroker/queries.yaml).';
-COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name).';
+COMMENT ON COLUMN pgbroker.metrics.labels IS 'Labels, as a jsonb object (name: the lease name; part: the part of maintain()).';
 COMMENT ON COLUMN pgbroker.metrics.value IS 'The sample''s value.';
 COMMENT ON COLUMN pgbroker.metrics.help IS 'HELP text of the metric.';
 
@@ -5563,7 +5972,8 @@ GRANT SELECT ON
     pgbroker.unaccounted_locks,
     pgbroker.broker_overview,
     pgbroker.health,
-    pgbroker.metrics
+    pgbroker.metrics,
+    pgbroker.upkeep
 TO pgbroker_reader;
 GRANT EXECUTE ON FUNCTION
     pgbroker.broker_alive(text),
@@ -5601,6 +6011,7 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.broker_sleep(text, interval),
     pgbroker.wakeup_channel(text),
     pgbroker.broker_sweep(text, integer),
+    pgbroker.maintain(integer),
     pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_broker;
 
@@ -5636,7 +6047,8 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.unwatch(regclass, interval),
     pgbroker.lease_history_prune(interval),
     pgbroker.name_grant(text, text, regrole, text),
-    pgbroker.name_revoke(text, text, regrole)
+    pgbroker.name_revoke(text, text, regrole),
+    pgbroker.upkeep_set(interval)
 TO pgbroker_admin;
 
 -- pgbroker_admin has every privilege of the three others, whether or not it

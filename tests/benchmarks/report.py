@@ -26,6 +26,11 @@ floors of its own run), then writes into DIR (default
   takeover claim beside the empty-state claim, re-registration rates beside
   the floor's, the end-to-end restart, and the steady-state costs.
 
+When ``endurance.json`` (written by ``bench_endurance.py``, which is not run
+here: it takes 30 minutes) is in DIR, the report ends with its section and
+``endurance.png``: throughput per part, pgbroker's size and the broker's
+memory, minute by minute.
+
 The ratios carry the claims; absolute times move with the machine's load.
 ``--quick`` shortens the fan-out, primitives and scale runs (noisier; the scale
 benchmark stops at 30k clients); the lease benchmark has no quick mode.
@@ -50,6 +55,7 @@ from typing import Any, Protocol
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 DEFAULT_OUT = REPO / "tests" / "benchmarks" / "results"
+ENDURANCE_FILE = "endurance.json"  # written by bench_endurance.py, read by write_report
 INSTALL_HINT = "matplotlib is needed for the plots: python3 -m pip install -e '.[bench]' (or: pip install matplotlib)"
 
 RATIO_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)x\s*$")
@@ -527,12 +533,99 @@ def render_plots(sections: Sequence[Section], out: Path) -> tuple[list[Path], li
     return plots, skipped
 
 
+# ---------------------------------------------------------------------------
+# Endurance (bench_endurance.py writes endurance.json; its 30 minutes are not part of run_all)
+
+
+def load_endurance(out: Path) -> dict[str, Any] | None:
+    """The endurance run recorded in out/endurance.json, if any."""
+    import json
+
+    path = out / ENDURANCE_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def endurance_markdown(data: dict[str, Any], plot: Path | None) -> str:
+    """The endurance section: settings, the targets, and per minute the figures bench_endurance.py records."""
+    st = data["settings"]
+    parts = sorted({k for m in data["minutes"] for k in m["rates"]})
+    out = [
+        "## Endurance (bench_endurance.py)",
+        "",
+        f"{st['minutes']} minute(s) on PostgreSQL {data.get('server', '?')}: {st['writers']} writers on a watched"
+        f" table, a Python Broker draining {st['clients']:,} clients x {st['per_client']} subscriptions with"
+        f" {st['churn_per_s']} churns/s, and locks, {'kv_set, counter_add, ' if st['data'] else ''}rate limits on"
+        f" names drawn from {st['names']:,}; the upkeep only as the Broker runs it. Shorter than 30 minutes, the"
+        " targets compare the last third with the first and are only indicative.",
+        "",
+        "| target | value | limit | verdict |",
+        "|---|---|---|---|",
+    ]
+    out += [
+        f"| {v['target']} | {v['value']:.3f} | {v['limit']} | {'ok' if v['ok'] else 'MISSED'} |"
+        for v in data.get("verdicts", [])
+    ]
+    out += ["", "| minute | " + " | ".join(f"{p}/s" for p in parts) + " | pgbroker MB | largest tables (MB) |"
+            " dead tuples | outbox | broker RSS MB |", "|" + "---|" * (len(parts) + 6)]  # fmt: skip
+    for m in data["minutes"]:
+        tables = sorted(m["tables"].items(), key=lambda kv: -kv[1]["bytes"])[:3]
+        out.append(
+            f"| {m['minute']} | "
+            + " | ".join(f"{m['rates'].get(p, 0):,.0f}" for p in parts)
+            + f" | {m['pgbroker_bytes'] / 1e6:.1f} | "
+            + ", ".join(f"{name} {t['bytes'] / 1e6:.1f}" for name, t in tables)
+            + f" | {sum(t['dead'] for t in m['tables'].values()):,} | {m['outbox_backlog']:,}"
+            f" | {m['broker_rss_kb'] / 1024:.0f} |"
+        )
+    if plot is not None:
+        out += ["", f"![{plot.stem}]({plot.name})"]
+    return "\n".join(out) + "\n"
+
+
+def plot_endurance(data: dict[str, Any], out: Path) -> Path | None:
+    """Throughput per part, pgbroker's size (total and its largest tables), and the broker's RSS, per minute."""
+    minutes = data["minutes"]
+    if not minutes:
+        return None
+    plt = _matplotlib()
+    xs = [m["minute"] for m in minutes]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for part in sorted({k for m in minutes for k in m["rates"]}):
+        axes[0].plot(xs, [m["rates"].get(part, 0) for m in minutes], marker="o", label=part)
+    axes[0].set_title("throughput per part (/s)", fontsize=9)
+    axes[0].set_yscale("log")
+    axes[1].plot(xs, [m["pgbroker_bytes"] / 1e6 for m in minutes], marker="o", label="pgbroker total", color="black")
+    largest = sorted(minutes[-1]["tables"], key=lambda t: -minutes[-1]["tables"][t]["bytes"])[:5]
+    for table in largest:
+        axes[1].plot(xs, [m["tables"].get(table, {"bytes": 0})["bytes"] / 1e6 for m in minutes], label=table)
+    axes[1].set_title("size (MB)", fontsize=9)
+    axes[1].set_ylim(bottom=0)
+    axes[2].plot(xs, [m["broker_rss_kb"] / 1024 for m in minutes], marker="o", label="broker RSS (MB)")
+    axes[2].plot(xs, [m["outbox_backlog"] / 1000 for m in minutes], marker="o", label="outbox backlog (thousands)")
+    axes[2].set_title("broker memory and outbox backlog", fontsize=9)
+    axes[2].set_ylim(bottom=0)
+    for ax in axes:
+        ax.set_xlabel("minute")
+        ax.legend(fontsize=6)
+    fig.suptitle("Endurance: speed, size and memory minute by minute", fontsize=10)
+    fig.tight_layout()
+    path = out / "endurance.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def write_report(sections: Sequence[Section], out: Path, machine: Machine | None = None) -> Path:
-    """Write out/report.md and the PNGs beside it (matplotlib needed: ImportError says what to install)."""
+    """Write out/report.md and the PNGs beside it (matplotlib needed: ImportError says what to install), with
+    the endurance section when out/endurance.json is there (bench_endurance.py writes it)."""
     out.mkdir(parents=True, exist_ok=True)
     plots, skipped = render_plots(sections, out)
     report = out / "report.md"
-    report.write_text(render_markdown(machine or machine_info(), sections, plots, skipped) + "\n")
+    text = render_markdown(machine or machine_info(), sections, plots, skipped) + "\n"
+    endurance = load_endurance(out)
+    if endurance is not None:
+        text += "\n" + endurance_markdown(endurance, plot_endurance(endurance, out))
+    report.write_text(text)
     return report
 
 

@@ -1,0 +1,346 @@
+"""Endurance: a service's steady traffic for half an hour, minute by minute (run on demand).
+
+    python3 tests/benchmarks/bench_endurance.py                 # 30 minutes (the targets are judged on it)
+    python3 tests/benchmarks/bench_endurance.py --minutes 2     # a quick look
+    python3 tests/benchmarks/bench_endurance.py --no-data       # no kv_set / counter_add (size target 2)
+
+Starts its own throwaway PostgreSQL (fsync, synchronous_commit and
+full_page_writes on), installs pgbroker, watches ``bench.items`` (10,000
+rows) and runs, all at once:
+
+- 4 writers, each an autocommit connection UPDATE-ing a random row of
+  ``bench.items`` in a loop;
+- a Python ``Broker`` in a process of its own (its memory is measured): 1,000
+  clients subscribed to 10 rows each, fetching and acknowledging what the
+  writers cause, and churning subscriptions (a client unregistered and another
+  registered and subscribed to 10 rows, 10 times a second, on a connection
+  of its own in the broker's epoch).  It runs the upkeep,
+  ``pgbroker.maintain()``, by itself, as every Python Broker does (every
+  minute); nothing else is scheduled;
+- a thread cycling through ``lock_acquire``/``lock_release``, ``kv_set``,
+  ``counter_add`` and ``rate_limit`` (1,000 per second, burst 10), each call
+  on a name drawn from a space of 1,000,000 (``--names``): a lock per order, a
+  rate limit per user.
+
+Every minute it records the throughput of each part, pgbroker's total size and
+each of its tables' (``pg_total_relation_size``), their dead tuples, the
+outbox backlog and the broker process's RSS, and writes everything as JSON to
+``tests/benchmarks/results/endurance.json`` (``--out``); ``report.py`` turns
+that file into a section with a plot.  Targets, judged on the last ten minutes
+against the first ten (on the last and first thirds of a shorter run, where
+they are only indicative): throughput >= 0.95x for the writes and each
+primitive; pgbroker's total size grows by less than 5% over the last ten
+minutes; with ``--no-data``, it stays under 2x its size after the first
+minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import psycopg  # noqa: E402
+
+from pgbroker import install  # noqa: E402
+from pgbroker._embedded import EmbeddedPostgres  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "endurance.json"
+DURABLE = "-c fsync=on -c synchronous_commit=on -c full_page_writes=on -c shared_buffers=256MB -c max_wal_size=2GB"
+ROWS = 10_000
+CLIENTS = 1_000
+PER_CLIENT = 10
+WRITERS = 4
+CHURN_PER_S = 10
+TARGET_SPEED = 0.95
+TARGET_GROWTH = 0.05
+TARGET_NO_DATA = 2.0
+
+# The broker process: claim, subscribe CLIENTS clients, then fetch + ack and churn until stdin closes; prints
+# a JSON line of its running totals every second.
+BROKER = """
+import json, random, sys, threading, time
+import psycopg
+from pgbroker import Broker
+url, clients, per, rows, churn = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+rng = random.Random(1)
+totals = {"fetched": 0, "churned": 0}
+with Broker(url, "endurance") as broker:
+    live = [f"c{i}" for i in range(clients)]
+    broker.register_many(live)
+    broker.subscribe_many([(c, rng.randint(1, rows)) for c in live for _ in range(per)], "bench.items")
+
+    def churner():  # on a connection of its own, in the broker's epoch, as a broker's other workers would
+        with psycopg.connect(url, autocommit=True) as conn:
+            serial, next_at = clients, time.monotonic()
+            while not stop.is_set():
+                time.sleep(max(0.0, next_at - time.monotonic()))
+                next_at += 1 / churn
+                old = live.pop(rng.randrange(len(live)))
+                serial += 1
+                new = f"c{serial}"
+                live.append(new)
+                conn.execute("SELECT pgbroker.client_unregister(%s, 'endurance', %s)", (old, broker.epoch))
+                conn.execute("SELECT pgbroker.client_register(%s, '{}', 'endurance', %s)", (new, broker.epoch))
+                conn.execute("SELECT pgbroker.subscribe_many(%s, 'bench.items', %s::jsonb[], 'endurance', %s)",
+                             ([new] * per, [str(rng.randint(1, rows)) for _ in range(per)], broker.epoch))
+                totals["churned"] += 1
+
+    threading.Thread(target=churner, daemon=True).start()
+    last_print = time.monotonic()
+    ack = None
+    while not stop.is_set():
+        batch = broker.fetch(1000, ack=ack)
+        ack = [n.id for n in batch]
+        totals["fetched"] += len(batch)
+        if time.monotonic() - last_print >= 1:
+            print(json.dumps(totals), flush=True)
+            last_print = time.monotonic()
+        if not batch:
+            time.sleep(0.005)
+    if ack:
+        broker.ack(ack)
+"""
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+
+    def add(self, part: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[part] = self.counts.get(part, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.counts)
+
+
+def _writer(url: str, counter: Counter, stop: threading.Event, seed: int) -> None:
+    rng = random.Random(seed)
+    with psycopg.connect(url, autocommit=True, application_name="endurance-writer") as conn:
+        while not stop.is_set():
+            conn.execute("UPDATE bench.items SET v = v + 1 WHERE id = %s", (rng.randint(1, ROWS),), prepare=True)
+            counter.add("writes")
+
+
+def _primitives(url: str, counter: Counter, stop: threading.Event, names: int, data: bool) -> None:
+    rng = random.Random(7)
+    with psycopg.connect(url, autocommit=True, application_name="endurance-primitives") as conn:
+        while not stop.is_set():
+            name = f"order/{rng.randrange(names)}"
+            conn.execute("SELECT pgbroker.lock_acquire(%s, '0')", (name,), prepare=True)
+            conn.execute("SELECT pgbroker.lock_release(%s)", (name,), prepare=True)
+            counter.add("locks")
+            if data:
+                conn.execute("SELECT pgbroker.kv_set(%s, '1')", (f"kv/{rng.randrange(names)}",), prepare=True)
+                counter.add("kv_set")
+                conn.execute("SELECT pgbroker.counter_add(%s)", (f"count/{rng.randrange(names)}",), prepare=True)
+                counter.add("counter_add")
+            conn.execute(
+                "SELECT allowed FROM pgbroker.rate_limit(%s, 1000, '1 s', 10)",
+                (f"api/user/{rng.randrange(names)}",),
+                prepare=True,
+            )
+            counter.add("rate_limit")
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+SIZES_SQL = """
+SELECT c.relname, pg_total_relation_size(c.oid), coalesce(s.n_dead_tup, 0)
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+  LEFT JOIN pg_stat_all_tables s ON s.relid = c.oid
+ WHERE n.nspname = 'pgbroker' AND c.relkind = 'r'
+ ORDER BY 2 DESC"""
+
+
+def _sample(monitor: psycopg.Connection, broker_pid: int) -> dict[str, Any]:
+    tables = {r[0]: {"bytes": r[1], "dead": r[2]} for r in monitor.execute(SIZES_SQL)}
+    return {
+        "pgbroker_bytes": sum(t["bytes"] for t in tables.values()),
+        "tables": tables,
+        "outbox_backlog": monitor.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0],
+        "broker_rss_kb": _rss_kb(broker_pid),
+        "upkeep": {
+            r[0]: {"removed_total": r[1], "remaining": r[2]}
+            for r in monitor.execute("SELECT part, removed_total, remaining FROM pgbroker.upkeep")
+        },
+    }
+
+
+def _window(minutes: list[dict[str, Any]]) -> int:
+    """Minutes compared at each end: ten, or a third of a shorter run (at least one)."""
+    return 10 if len(minutes) >= 20 else max(1, len(minutes) // 3)
+
+
+def verdicts(minutes: list[dict[str, Any]], data: bool) -> list[dict[str, Any]]:
+    """The targets, judged on the recorded minutes."""
+    if len(minutes) < 2:
+        return []
+    w = _window(minutes)
+    first, last = minutes[:w], minutes[-w:]
+    out = []
+    for part in ("writes", "fetched", "locks", "rate_limit", *(("kv_set", "counter_add") if data else ())):
+        a = sum(m["rates"].get(part, 0) for m in first) / w
+        b = sum(m["rates"].get(part, 0) for m in last) / w
+        ratio = b / a if a else 0.0
+        out.append(
+            {
+                "target": f"{part}/s, last {w} min / first {w} min",
+                "value": ratio,
+                "limit": TARGET_SPEED,
+                "ok": ratio >= TARGET_SPEED,
+            }
+        )
+    start = minutes[-w - 1]["pgbroker_bytes"] if len(minutes) > w else minutes[0]["pgbroker_bytes"]
+    growth = minutes[-1]["pgbroker_bytes"] / start - 1
+    out.append(
+        {
+            "target": f"pgbroker size growth over the last {w} min",
+            "value": growth,
+            "limit": TARGET_GROWTH,
+            "ok": growth < TARGET_GROWTH,
+        }
+    )
+    if not data:
+        ratio = minutes[-1]["pgbroker_bytes"] / minutes[0]["pgbroker_bytes"]
+        out.append(
+            {
+                "target": "pgbroker size / its size after the first minute",
+                "value": ratio,
+                "limit": TARGET_NO_DATA,
+                "ok": ratio < TARGET_NO_DATA,
+            }
+        )
+    return out
+
+
+def run(minutes: float = 30, names: int = 1_000_000, data: bool = True, out: Path = DEFAULT_OUT) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "settings": {
+            "minutes": minutes,
+            "names": names,
+            "data": data,
+            "writers": WRITERS,
+            "rows": ROWS,
+            "clients": CLIENTS,
+            "per_client": PER_CLIENT,
+            "churn_per_s": CHURN_PER_S,
+        },
+        "minutes": [],
+    }
+    with EmbeddedPostgres(postgres_options=DURABLE) as server:
+        with psycopg.connect(server.url, autocommit=True) as admin:
+            admin.execute("CREATE DATABASE bench")
+        url = server.url_for("bench")
+        install.migrate(url)
+        with psycopg.connect(url, autocommit=True) as monitor:
+            result["server"] = monitor.execute("SHOW server_version").fetchone()[0]
+            monitor.execute("CREATE SCHEMA bench")
+            monitor.execute("CREATE TABLE bench.items (id integer PRIMARY KEY, v bigint NOT NULL DEFAULT 0)")
+            monitor.execute("INSERT INTO bench.items (id) SELECT g FROM generate_series(1, %s) g", (ROWS,))
+            monitor.execute("SELECT pgbroker.watch('bench.items')")
+            broker = subprocess.Popen(
+                [sys.executable, "-c", BROKER, url, str(CLIENTS), str(PER_CLIENT), str(ROWS), str(CHURN_PER_S)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            counter = Counter()
+
+            def read_broker() -> None:
+                assert broker.stdout is not None
+                for line in broker.stdout:
+                    totals = json.loads(line)
+                    with counter.lock:
+                        counter.counts.update(totals)
+
+            threading.Thread(target=read_broker, daemon=True).start()
+            deadline = time.monotonic() + 300
+            while "fetched" not in counter.snapshot():  # subscribed and fetching
+                if broker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the broker process did not start")
+                time.sleep(0.2)
+            stop = threading.Event()
+            threads = [threading.Thread(target=_writer, args=(url, counter, stop, i)) for i in range(WRITERS)]
+            threads.append(threading.Thread(target=_primitives, args=(url, counter, stop, names, data)))
+            for t in threads:
+                t.start()
+            started = time.monotonic()
+            before, at = counter.snapshot(), started
+            try:
+                for minute in range(1, int(minutes) + 1):
+                    time.sleep(max(0.0, started + 60 * minute - time.monotonic()))
+                    now, totals = time.monotonic(), counter.snapshot()
+                    rates = {k: (v - before.get(k, 0)) / (now - at) for k, v in totals.items()}
+                    sample = {"minute": minute, "rates": rates, **_sample(monitor, broker.pid)}
+                    result["minutes"].append(sample)
+                    before, at = totals, now
+                    print(
+                        f"minute {minute}: "
+                        + ", ".join(f"{k} {v:,.0f}/s" for k, v in sorted(rates.items()))
+                        + f"; pgbroker {sample['pgbroker_bytes'] / 1e6:.1f} MB, outbox {sample['outbox_backlog']},"
+                        f" broker RSS {sample['broker_rss_kb'] / 1024:.0f} MB",
+                        flush=True,
+                    )
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(30)
+                assert broker.stdin is not None
+                broker.stdin.close()
+                try:
+                    broker.wait(60)
+                except subprocess.TimeoutExpired:
+                    broker.kill()
+                    broker.wait(10)
+    result["verdicts"] = verdicts(result["minutes"], data)
+    for v in result["verdicts"]:
+        print(f"  {v['target']}: {v['value']:.3f} (target {v['limit']}) {'ok' if v['ok'] else 'MISSED'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
+def test_endurance_quick(tmp_path: Path) -> None:
+    """Two minutes (on demand, like every benchmark): every part makes progress and the report is complete."""
+    result = run(minutes=2, names=1_000_000, out=tmp_path / "endurance.json")
+    assert len(result["minutes"]) == 2 and all(m["rates"]["writes"] > 0 for m in result["minutes"])
+    assert result["verdicts"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=int, default=30, help="how long (default 30; the targets need 30)")
+    parser.add_argument("--names", type=int, default=1_000_000, help="size of the name space (default 1,000,000)")
+    parser.add_argument("--no-data", action="store_true", help="no kv_set nor counter_add (only what is forgotten)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the JSON file (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.minutes < 1 or args.names < 1:
+        parser.error("--minutes and --names must be at least 1")
+    run(args.minutes, args.names, not args.no_data, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
