@@ -362,6 +362,8 @@ CALLS: list[tuple[str, str]] = [
     ("admin", "SELECT pgbroker.watch('initech.objects', mode => 'row')"),
     ("admin", "SELECT pgbroker.watch('initech.objects')"),
     ("admin", "SELECT pgbroker.lease_history_prune('30 days')"),
+    ("admin", "SELECT pgbroker.upkeep_set('30 days')"),
+    ("broker", "SELECT count(*) FROM pgbroker.maintain()"),
     ("admin", "SELECT pgbroker.unwatch('initech.objects')"),
     ("admin", "SELECT pgbroker.watch('initech.objects')"),
     ("broker", "SELECT pgbroker.broker_release('all', 'o')"),
@@ -570,3 +572,30 @@ def test_no_thread_or_connection_left(profile: Profile):
             )
         )
     assert all(t.daemon or t is threading.main_thread() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("profile", ["a", "b"], indirect=True)
+def test_maintain_forgets_idle_names_only_when_it_can_see_every_snapshot(profile: Profile):
+    """maintain() deletes an idle lock name only once every snapshot that could still see its key is gone, also
+    when the installer may not read other roles' rows of pg_stat_activity (profile b): backend_xmin is one of
+    the columns PostgreSQL shows every role.  Once that snapshot has ended, the next calls delete it."""
+
+    with profile.connect("user", "lp-idle") as user, profile.connect("broker", "lp-upkeep") as broker:
+        for i in range(3):
+            user.execute("SELECT pgbroker.lock_acquire(%s, '1 s')", (f"idle/{i}",))
+            user.execute("SELECT pgbroker.lock_release(%s)", (f"idle/{i}",))
+        with profile.connect("reader", "lp-open") as other:
+            other.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            other.execute("SELECT count(*) FROM pgbroker.brokers").fetchone()
+            for _ in range(3):
+                broker.execute("SELECT * FROM pgbroker.maintain()").fetchall()
+            held_back = broker.execute(
+                "SELECT removed, remaining FROM pgbroker.maintain() WHERE part = 'lock names'"
+            ).fetchone()
+            other.execute("COMMIT")
+        for _ in range(3):
+            broker.execute("SELECT * FROM pgbroker.maintain()").fetchall()
+        left = broker.execute("SELECT remaining FROM pgbroker.maintain() WHERE part = 'lock names'").fetchone()
+    print(f"profile {profile.name}: while another role's transaction was open {held_back}; after it {left}")
+    assert held_back[0] == 0 and held_back[1] >= 3  # nothing deleted while that snapshot was open
+    assert left == (0,)
