@@ -142,10 +142,11 @@ async def async_observe(
         _raise_translated(exc)
     yield current
     while True:
-        payload = None
+        # One wait may bring several notifications (those of one packet): each counts.
+        payloads = []
         async for notify in conn.notifies(timeout=poll_interval, stop_after=1):
-            payload = json.loads(notify.payload)
-        if payload is not None:
+            payloads.append(json.loads(notify.payload))
+        for payload in payloads:
             if payload.get("name") != name or payload["epoch"] < current.epoch:
                 continue  # another lease, or a change the first read already showed
             event = payload["event"]
@@ -157,6 +158,7 @@ async def async_observe(
             if (new.epoch, new.state) != (current.epoch, current.state):
                 current = new
                 yield current
+        if payloads:
             continue
         # Quiet for poll_interval: a TTL lease may have lapsed, a session holder may have died.
         try:
@@ -210,10 +212,11 @@ async def async_registry_feed(
         yield registry, None
         alive = (await _read_lease(conn, name)).alive
         while True:
-            payload = None
+            # One wait may bring several notifications (those of one packet): each is applied in turn.
+            payloads = []
             async for notify in conn.notifies(timeout=poll_interval, stop_after=1):
-                payload = (notify.channel, json.loads(notify.payload))
-            if payload is None:
+                payloads.append((notify.channel, json.loads(notify.payload)))
+            if not payloads:
                 now_alive = (await _read_lease(conn, name)).alive
                 if now_alive != alive:
                     alive = now_alive
@@ -222,19 +225,19 @@ async def async_registry_feed(
                         fresh.epoch, fresh.clients, fresh.subscriptions)  # fmt: skip
                     yield registry, None
                 continue
-            which, data = payload
-            if which == LEASE_CHANNEL:
-                if data.get("name") == name and data["epoch"] >= registry.epoch:
-                    fresh = await _read_registry(conn, name)
-                    registry.epoch, registry.clients, registry.subscriptions = (
-                        fresh.epoch, fresh.clients, fresh.subscriptions)  # fmt: skip
-                    alive = data["event"] in _HOLDING
-                    yield registry, None
-                continue
-            event = RegistryEvent(data["event"], data["name"], data["epoch"], data["client_id"], data.get("info"),
-                                  data.get("table"), data.get("key"))  # fmt: skip
-            if registry.apply(event):
-                yield registry, event
+            for which, data in payloads:
+                if which == LEASE_CHANNEL:
+                    if data.get("name") == name and data["epoch"] >= registry.epoch:
+                        fresh = await _read_registry(conn, name)
+                        registry.epoch, registry.clients, registry.subscriptions = (
+                            fresh.epoch, fresh.clients, fresh.subscriptions)  # fmt: skip
+                        alive = data["event"] in _HOLDING
+                        yield registry, None
+                    continue
+                event = RegistryEvent(data["event"], data["name"], data["epoch"], data["client_id"],
+                                      data.get("info"), data.get("table"), data.get("key"))  # fmt: skip
+                if registry.apply(event):
+                    yield registry, event
     finally:
         if not conn.closed:
             with contextlib.suppress(psycopg.Error):  # the session may be gone: its watch went with it

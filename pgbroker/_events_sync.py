@@ -139,10 +139,11 @@ def observe(
         _raise_translated(exc)
     yield current
     while True:
-        payload = None
+        # One wait may bring several notifications (those of one packet): each counts.
+        payloads = []
         for notify in conn.notifies(timeout=poll_interval, stop_after=1):
-            payload = json.loads(notify.payload)
-        if payload is not None:
+            payloads.append(json.loads(notify.payload))
+        for payload in payloads:
             if payload.get("name") != name or payload["epoch"] < current.epoch:
                 continue  # another lease, or a change the first read already showed
             event = payload["event"]
@@ -154,6 +155,7 @@ def observe(
             if (new.epoch, new.state) != (current.epoch, current.state):
                 current = new
                 yield current
+        if payloads:
             continue
         # Quiet for poll_interval: a TTL lease may have lapsed, a session holder may have died.
         try:
@@ -207,10 +209,11 @@ def registry_feed(
         yield registry, None
         alive = (_read_lease(conn, name)).alive
         while True:
-            payload = None
+            # One wait may bring several notifications (those of one packet): each is applied in turn.
+            payloads = []
             for notify in conn.notifies(timeout=poll_interval, stop_after=1):
-                payload = (notify.channel, json.loads(notify.payload))
-            if payload is None:
+                payloads.append((notify.channel, json.loads(notify.payload)))
+            if not payloads:
                 now_alive = (_read_lease(conn, name)).alive
                 if now_alive != alive:
                     alive = now_alive
@@ -219,19 +222,19 @@ def registry_feed(
                         fresh.epoch, fresh.clients, fresh.subscriptions)  # fmt: skip
                     yield registry, None
                 continue
-            which, data = payload
-            if which == LEASE_CHANNEL:
-                if data.get("name") == name and data["epoch"] >= registry.epoch:
-                    fresh = _read_registry(conn, name)
-                    registry.epoch, registry.clients, registry.subscriptions = (
-                        fresh.epoch, fresh.clients, fresh.subscriptions)  # fmt: skip
-                    alive = data["event"] in _HOLDING
-                    yield registry, None
-                continue
-            event = RegistryEvent(data["event"], data["name"], data["epoch"], data["client_id"], data.get("info"),
-                                  data.get("table"), data.get("key"))  # fmt: skip
-            if registry.apply(event):
-                yield registry, event
+            for which, data in payloads:
+                if which == LEASE_CHANNEL:
+                    if data.get("name") == name and data["epoch"] >= registry.epoch:
+                        fresh = _read_registry(conn, name)
+                        registry.epoch, registry.clients, registry.subscriptions = (
+                            fresh.epoch, fresh.clients, fresh.subscriptions)  # fmt: skip
+                        alive = data["event"] in _HOLDING
+                        yield registry, None
+                    continue
+                event = RegistryEvent(data["event"], data["name"], data["epoch"], data["client_id"],
+                                      data.get("info"), data.get("table"), data.get("key"))  # fmt: skip
+                if registry.apply(event):
+                    yield registry, event
     finally:
         if not conn.closed:
             with contextlib.suppress(psycopg.Error):  # the session may be gone: its watch went with it

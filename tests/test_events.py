@@ -316,3 +316,34 @@ def test_registry_feed_keeps_a_live_copy_across_epochs(connect, db_url):
 
 def test_the_generated_sync_events_module_is_current():
     assert EVENTS_TARGET.read_text() == generate_events(EVENTS_SOURCE.read_text())
+
+
+def test_registry_feed_applies_every_change_of_one_commit(connect, db_url):
+    """Changes committed together reach the listener together (often in one packet, one wait): each is applied
+    and yielded, none is dropped for the last."""
+    broker = connect("broker", autocommit=False)
+    claim(broker, "feed")
+    broker.commit()
+    events: list[str] = []
+    ready = threading.Event()
+
+    def follow() -> None:
+        with psycopg.connect(db_url, autocommit=True, user="t_reader") as conn:
+            for registry, event in pgbroker.registry_feed(conn, "feed", poll_interval=0.2):
+                if event is None:
+                    ready.set()
+                    continue
+                events.append(f"{event.event} {event.client_id}")
+                if len(events) == 6:
+                    assert sorted(registry.clients) == ["a", "b", "c"]
+                    return
+
+    t = threading.Thread(target=follow)
+    t.start()
+    assert ready.wait(5)
+    for client in ("a", "b", "c"):  # one transaction: six notifications sent at its commit
+        register(broker, client, "feed")
+        subscribe(broker, client, key=1, name="feed")
+    broker.commit()
+    t.join(10)
+    assert events == ["register a", "subscribe a", "register b", "subscribe b", "register c", "subscribe c"]
