@@ -173,7 +173,7 @@ def _demo(url: str, name: str, cleanup: contextlib.ExitStack, *, own_server: boo
         # 2. Broker B is refused.
         _say("2. Broker B claims with wait => 0 and is refused at once:")
         try:
-            Broker(conninfo, name, application_name="pgbroker-demo-B").claim()
+            Broker(conninfo, name, application_name="pgbroker-demo-B", sweep=False).claim()
         except LeaseHeld as exc:
             _say(f"     LeaseHeld (SQLSTATE {exc.sqlstate}): {exc}")
             _say(f"     detail: {exc.detail}")
@@ -181,7 +181,9 @@ def _demo(url: str, name: str, cleanup: contextlib.ExitStack, *, own_server: boo
             raise DemoError("broker B was not refused")
 
         # 3. Broker B waits.
-        b = Broker(conninfo, name, wait=None, application_name="pgbroker-demo-B")
+        # The demo's brokers neither sweep nor run the upkeep (sweep=False): on a database of yours they change
+        # nothing but what the demo itself wrote, which it removes at the end.
+        b = Broker(conninfo, name, wait=None, application_name="pgbroker-demo-B", sweep=False)
         _on_exit(cleanup, b.close, "close broker B")
         claimed: dict[str, Any] = {}
 
@@ -396,7 +398,7 @@ def _holder(url: str, name: str) -> int:
     """Broker A: claim, report, hold until stdin closes."""
     from pgbroker.broker import Broker
 
-    with Broker(url, name, application_name="pgbroker-demo-A") as broker:
+    with Broker(url, name, application_name="pgbroker-demo-A", sweep=False) as broker:
         print(f"CLAIMED {broker.epoch} {broker.pid}", flush=True)
         sys.stdin.read()  # EOF when the demo ends or dies
     return 0
