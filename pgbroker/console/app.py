@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -816,63 +816,72 @@ def _who(request: Request, c: Console) -> str:
     return f"{c.check.role} via the console from {client.host if client else 'unknown'}"
 
 
-async def takeover(request: Request) -> Response:
-    """Hand a lease over: terminate its holder (recorded as a takeover in lease_history), then release, so that a
-    waiting standby claims with the next epoch."""
+async def _admin_action(
+    request: Request,
+    parse: Callable[[dict[str, Any]], dict[str, Any]],
+    act: Callable[[Console, str, dict[str, Any]], Awaitable[dict[str, Any]]],
+) -> Response:
+    """An admin action: the request checked (_admin_request), its body parsed (PARSE raises _Refused), then ACT
+    done by the console's admin connection as WHO, its errors answered as every handler's are."""
     try:
         c, body = await _admin_request(request)
-        name = body.get("name")
-        if not isinstance(name, str) or not name:
-            raise _Refused(400, "name: the lease to hand over")
-        if body.get("confirm") != name:
-            raise _Refused(400, f"type the lease name {name!r} to confirm the hand-over")
+        args = parse(body)
     except _Refused as exc:
         return _JSON({"error": "Refused", "message": str(exc)}, status_code=exc.status)
 
     @_handler
-    async def act(_: Request) -> dict[str, Any]:
-        who = _who(request, c)
-        async with await c.admin_connection() as conn:
-            epoch = (
-                await (await conn.execute(TAKEOVER_SQL, {"name": name, "info": f"hand-over by {who}"})).fetchone()
-            )[0]
-            released = (await (await conn.execute(RELEASE_SQL, {"name": name})).fetchone())[0]
-        log.warning(
-            "AUDIT hand-over of lease %r by %s: claimed epoch %s with takeover, released: %s",
-            name,
-            who,
-            epoch,
-            released,
-        )
-        return {"name": name, "epoch": epoch, "released": released}
+    async def run(_: Request) -> dict[str, Any]:
+        return await act(c, _who(request, c), args)
 
-    return await act(request)
+    return await run(request)
+
+
+def _takeover_args(body: dict[str, Any]) -> dict[str, Any]:
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise _Refused(400, "name: the lease to hand over")
+    if body.get("confirm") != name:
+        raise _Refused(400, f"type the lease name {name!r} to confirm the hand-over")
+    return {"name": name}
+
+
+async def _takeover(c: Console, who: str, args: dict[str, Any]) -> dict[str, Any]:
+    name = args["name"]
+    async with await c.admin_connection() as conn:
+        epoch = (await (await conn.execute(TAKEOVER_SQL, {"name": name, "info": f"hand-over by {who}"})).fetchone())[0]
+        released = (await (await conn.execute(RELEASE_SQL, {"name": name})).fetchone())[0]
+    log.warning(
+        "AUDIT hand-over of lease %r by %s: claimed epoch %s with takeover, released: %s", name, who, epoch, released
+    )
+    return {"name": name, "epoch": epoch, "released": released}
+
+
+async def takeover(request: Request) -> Response:
+    """Hand a lease over: terminate its holder (recorded as a takeover in lease_history), then release, so that a
+    waiting standby claims with the next epoch."""
+    return await _admin_action(request, _takeover_args, _takeover)
+
+
+def _revoke_args(body: dict[str, Any]) -> dict[str, Any]:
+    kind, prefix, role = body.get("kind"), body.get("prefix"), body.get("role")
+    if not all(isinstance(v, str) for v in (kind, prefix, role)) or not kind or not role:
+        raise _Refused(400, "kind, prefix and role: the grant to revoke")
+    expected = f"{kind}:{prefix}:{role}"
+    if body.get("confirm") != expected:
+        raise _Refused(400, f"type {expected!r} to confirm the revoke")
+    return {"kind": kind, "prefix": prefix, "role": role}
+
+
+async def _revoke(c: Console, who: str, args: dict[str, Any]) -> dict[str, Any]:
+    async with await c.admin_connection() as conn:
+        revoked = (await (await conn.execute(REVOKE_SQL, args)).fetchone())[0]
+    log.warning("AUDIT name_revoke(%r, %r, %r) by %s: %s", args["kind"], args["prefix"], args["role"], who, revoked)
+    return {"revoked": revoked}
 
 
 async def revoke(request: Request) -> Response:
     """Take back a name grant (name_revoke)."""
-    try:
-        c, body = await _admin_request(request)
-        kind, prefix, role = body.get("kind"), body.get("prefix"), body.get("role")
-        if not all(isinstance(v, str) for v in (kind, prefix, role)) or not kind or not role:
-            raise _Refused(400, "kind, prefix and role: the grant to revoke")
-        expected = f"{kind}:{prefix}:{role}"
-        if body.get("confirm") != expected:
-            raise _Refused(400, f"type {expected!r} to confirm the revoke")
-    except _Refused as exc:
-        return _JSON({"error": "Refused", "message": str(exc)}, status_code=exc.status)
-
-    @_handler
-    async def act(_: Request) -> dict[str, Any]:
-        who = _who(request, c)
-        async with await c.admin_connection() as conn:
-            revoked = (
-                await (await conn.execute(REVOKE_SQL, {"kind": kind, "prefix": prefix, "role": role})).fetchone()
-            )[0]
-        log.warning("AUDIT name_revoke(%r, %r, %r) by %s: %s", kind, prefix, role, who, revoked)
-        return {"revoked": revoked}
-
-    return await act(request)
+    return await _admin_action(request, _revoke_args, _revoke)
 
 
 async def events(request: Request) -> Response:
