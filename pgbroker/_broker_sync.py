@@ -30,7 +30,6 @@ from pgbroker._core import (
     DEAD_MAN_SQL,
     FETCH_SQL,
     HEARTBEAT_SQL,
-    MAINTAIN_EVERY,
     MAINTAIN_SQL,
     REGISTER_MANY_SQL,
     REGISTER_SQL,
@@ -60,6 +59,7 @@ from pgbroker._core import (
     _raise_translated,
     _Waiter,
     batches,
+    maintain_pause,
     register_params,
     rows_query,
     subscribe_params,
@@ -106,9 +106,10 @@ class Broker(_BrokerBase):
     (``broker_sweep``), on a connection of its own, in batches that take at
     most about half of one CPU, until nothing is left (they are invisible
     from the claim on; this only frees their space); then, on that connection,
-    the upkeep (``pgbroker.maintain()``) every minute while the lease is held,
-    and again, after a pause as long as the call took, while a part of a call
-    removed a full batch.
+    the upkeep (``pgbroker.maintain()``) while the lease is held: every
+    minute, every 5 seconds while a call left rows that only a later call can
+    remove (names it marked idle), and again, after a pause as long as the
+    call took, while a part of a call removed a full batch.
     ``registry_connections``: the registry calls (register, attach,
     subscribe, their ``_many`` forms, update_client, unregister,
     unsubscribe) run on up to this many connections of their own, opened on
@@ -768,9 +769,7 @@ class Broker(_BrokerBase):
             while self._state == "held" and not self._sweep_stop.is_set():
                 started = time.monotonic()
                 cur = conn.execute(MAINTAIN_SQL, {"max_rows": SWEEP_BATCH})
-                rows = cur.fetchall()
-                more = any(removed >= SWEEP_BATCH for _part, removed, _remaining in rows)  # a full batch: more
-                pause = time.monotonic() - started if more else MAINTAIN_EVERY
+                pause = maintain_pause(cur.fetchall(), time.monotonic() - started)
                 self._sweep_stop.wait(pause)
         except psycopg.Error as exc:
             log.warning("sweeper of %r stopped: %s", self, exc)

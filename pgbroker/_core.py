@@ -181,9 +181,22 @@ _MIN_WAKE_GAP = 0.05
 
 # The sweeper (see _BrokerBase, sweep=): rows per broker_sweep() call.
 SWEEP_BATCH = 5000
-# ... then the upkeep (pgbroker.maintain): one call per MAINTAIN_EVERY seconds while the lease is held, and
-# again after a pause as long as the call took while a part of a call removed a full batch of SWEEP_BATCH.
+# ... then the upkeep (pgbroker.maintain), while the lease is held: again after a pause as long as the call
+# took while a part of a call removed a full batch of SWEEP_BATCH; after MAINTAIN_SOON seconds while a part left
+# rows that only a later call can remove (names it marked idle, deleted once no older snapshot is left, or a
+# part skipped because a row it needed was busy); otherwise after MAINTAIN_EVERY seconds.
 MAINTAIN_EVERY = 60.0
+MAINTAIN_SOON = 5.0
+
+
+def maintain_pause(rows: Iterable[tuple[str, int, int | None]], took: float) -> float:
+    """Seconds until the next upkeep call, after one that took TOOK seconds and returned ROWS."""
+    rows = list(rows)
+    if any(removed >= SWEEP_BATCH for _part, removed, _remaining in rows):
+        return took
+    if any(remaining is None or remaining > 0 for _part, _removed, remaining in rows):
+        return MAINTAIN_SOON
+    return MAINTAIN_EVERY
 
 
 def batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:

@@ -793,7 +793,7 @@ def maintain(url: str | None, max_rows: int, as_json: bool) -> int:
     epochs swept, idle lock and semaphore names forgotten, full rate limits, expired key-value entries and old
     lease history removed.
 
-    Prints what each part removed and what is left.  The Python Broker runs it every minute; this is for
+    Prints what each part removed and what is left.  The Python Broker runs it by itself; this is for
     databases no Python Broker serves (or pg_cron: sql/README.md, "Upkeep")."""
     url = _require_url(url)
     totals: dict[str, dict[str, Any]] = {}

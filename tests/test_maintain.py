@@ -348,3 +348,32 @@ def test_a_python_broker_runs_the_upkeep_by_itself(db_url: str, connect: Connect
             assert time.monotonic() < deadline, "the broker did not run maintain()"
             time.sleep(0.05)
         assert admin.execute("SELECT last_run_at IS NOT NULL FROM pgbroker.upkeep WHERE part = 'sweep'").fetchone()[0]
+
+
+def test_a_python_broker_forgets_idle_names_without_waiting_a_minute(db_url: str, connect: Connect) -> None:
+    """The first call marks the names idle, the next (MAINTAIN_SOON later, not a minute) deletes them."""
+    from pgbroker import Broker
+    from pgbroker._core import MAINTAIN_EVERY, MAINTAIN_SOON
+
+    assert MAINTAIN_SOON * 3 < MAINTAIN_EVERY
+    admin = connect("A")
+    for name in ("order/1", "order/2", "order/3"):
+        assert admin.execute("SELECT pgbroker.lock_acquire(%s)", (name,)).fetchone()[0] is True
+        assert admin.execute("SELECT pgbroker.lock_release(%s)", (name,)).fetchone()[0] is True
+    with Broker(db_url, "upkept"):
+        deadline = time.monotonic() + MAINTAIN_SOON * 3
+        while count(admin, "lock_name"):
+            assert time.monotonic() < deadline, "the broker left the idle names for its next minute"
+            time.sleep(0.1)
+        assert admin.execute("SELECT removed_total FROM pgbroker.upkeep WHERE part = 'lock names'").fetchone()[0] == 3
+
+
+def test_the_upkeep_cadence() -> None:
+    """After a full batch: at once (a pause as long as the call); rows left for a later call: soon; else: a minute."""
+    from pgbroker._core import MAINTAIN_EVERY, MAINTAIN_SOON, SWEEP_BATCH, maintain_pause
+
+    idle = [("sweep", 0, 0), ("lock names", 0, 0), ("rate limits", 3, 0)]
+    assert maintain_pause(idle, 0.2) == MAINTAIN_EVERY
+    assert maintain_pause([*idle, ("lock names", 12, 40)], 0.2) == MAINTAIN_SOON  # marked, not yet deletable
+    assert maintain_pause([*idle, ("kv expired", 0, None)], 0.2) == MAINTAIN_SOON  # skipped: a row was busy
+    assert maintain_pause([*idle, ("rate limits", SWEEP_BATCH, 900)], 0.2) == 0.2

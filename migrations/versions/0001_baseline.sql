@@ -5466,9 +5466,10 @@ COMMENT ON COLUMN pgbroker.name_grants_version.kinds IS 'The kinds some grant co
 -- most MAX_ROWS counted); the view pgbroker.upkeep keeps the last call's
 -- report and the totals since install, for the health check, the metrics
 -- and `pgbroker doctor`.  Two calls at once: the second returns no row at
--- once.  The Python Broker calls it every minute while it holds its lease,
--- and again soon while a part removed a full batch; elsewhere pg_cron runs
--- it (sql/README.md, "Upkeep").
+-- once.  The Python Broker calls it while it holds its lease: every
+-- minute, every 5 seconds while a call left rows only a later call removes
+-- (the names it marked idle), and again soon while a part removed a full
+-- batch; elsewhere pg_cron runs it (sql/README.md, "Upkeep").
 
 CREATE TABLE pgbroker.upkeep_setting (
     history_retention interval NOT NULL DEFAULT '30 days'
@@ -5582,7 +5583,7 @@ COMMENT ON FUNCTION pgbroker.maintain(integer) IS
 $$The upkeep, in one call: removes at most MAX_ROWS (1 to 1000000; default 5000) rows of each part and returns a row per part, in order: sweep (what earlier epochs of every lease left, broker_sweep), lock names and semaphores nobody holds nor waits for (forgotten in two passes; a name in use keeps its key), rate limits whose bucket is full again, kv expired (entries whose TTL ran out), lease history (older than the retention of upkeep_set(), 30 days unless set).
 REMOVED: rows it deleted; REMAINING: rows left to remove (at most MAX_ROWS counted; NULL when the part was skipped because a row it needed stayed busy for 100 ms). Call it again while a part removed MAX_ROWS (more is left); names it finds idle go at a later call, so a minute apart suits it.
 Nobody waits for it: rows are taken FOR UPDATE SKIP LOCKED and advisory locks only tried. No row at all: another maintain() is running. Counters and live key-value entries are never removed.
-Call it in autocommit mode (each call commits its batches); the Python Broker calls it every minute, pg_cron can too (sql/README.md, "Upkeep").$$;
+Call it in autocommit mode (each call commits its batches); the Python Broker calls it every minute (every 5 seconds while a call left rows for a later one), pg_cron can too (sql/README.md, "Upkeep").$$;
 
 CREATE VIEW pgbroker.upkeep AS
 SELECT u.part, u.last_run_at, u.last_removed, u.removed_total, u.remaining,
