@@ -198,7 +198,7 @@ def test_the_endurance_targets_and_their_section(report, tmp_path):
                          "clients": 1000, "per_client": 10, "churn_per_s": 10},
             "server": "15.18", "minutes": flat, "verdicts": endurance.verdicts(flat, data=False)}  # fmt: skip
     text = report.endurance_markdown(data, None)
-    assert "## Endurance (bench_endurance.py)" in text and "| 30 | 390 | 100 | 100 | 400 | 10.0 |" in text
+    assert "## Endurance (bench_endurance.py --no-data)" in text and "| 30 | 390 | 100 | 100 | 400 | 10.0 |" in text
     pytest.importorskip("matplotlib", reason="matplotlib absent: python3 -m pip install -e '.[bench]'")
     out = tmp_path / "out"
     out.mkdir()
@@ -206,3 +206,59 @@ def test_the_endurance_targets_and_their_section(report, tmp_path):
     path = report.write_report([], out)
     assert "![endurance](endurance.png)" in path.read_text()
     assert (out / "endurance.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_with_data_the_growth_is_also_judged_less_the_data_tables():
+    endurance = _bench("bench_endurance")
+    minutes = _endurance_minutes(30, shrink=True)
+    for i, m in enumerate(minutes):  # kv_set on new names: kv_entry grows by 1 MB a minute, the rest stays flat
+        m["tables"]["kv_entry"] = {"bytes": 1_000_000 * (i + 1), "dead": 0}
+        m["pgbroker_bytes"] += 1_000_000 * (i + 1)
+    verdicts = {v["target"]: v for v in endurance.verdicts(minutes, data=True)}
+    assert not verdicts["pgbroker size growth over the last 10 min"]["ok"]
+    assert verdicts["pgbroker size growth over the last 10 min, less the data (kv_entry, counter)"]["value"] == 0.0
+
+
+def _installs_data() -> dict:
+    def cell(ratio: float) -> dict:
+        return {"per_second": 900.0 * ratio, "cpu_us": 300.0, "floor_per_second": 900.0, "floor_cpu_us": 250.0,
+                "ratio": ratio}  # fmt: skip
+
+    return {
+        "settings": {"seconds": 2.0, "rounds": 4}, "target": 0.95, "server": "15.18", "baseline": None,
+        "installs": ["superuser", "least privilege", "baseline abc"],
+        "load_start": [1.0, 1.0, 1.0], "load_end": [2.0, 2.0, 2.0],
+        "rows": [
+            {"call": "counter_add, 1 proc", "procs": 1,
+             "installs": {"superuser": cell(0.8), "least privilege": cell(0.776), "baseline abc": cell(0.8)}},
+            {"call": "lock acquire + release, SQL functions, 8 proc", "procs": 8,
+             "installs": {"superuser": cell(0.9), "least privilege": cell(0.81), "baseline abc": cell(1.0)}},
+        ],
+    }  # fmt: skip
+
+
+def test_the_installs_section(report):
+    text = report.installs_markdown(_installs_data())
+    assert "| call | superuser | least privilege | baseline abc |" in text
+    assert "| counter_add, 1 proc | 0.80x, 300 us | 0.78x, 300 us; **0.97x** ok | 0.80x, 300 us; **1.00x** ok |" in text
+    # 8 proc: least privilege 0.81 / 0.9 = 0.90x; this tree against the baseline 0.9 / 1.0 = 0.90x
+    assert "0.81x, 300 us; **0.90x** MISSED | 1.00x, 300 us; **0.90x** MISSED |" in text
+
+
+def test_on_demand_rewrites_only_the_sections_of_the_on_demand_runs(report, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib absent: python3 -m pip install -e '.[bench]'")
+    out = tmp_path / "out"
+    out.mkdir()
+    head = "# pgbroker benchmark report\n\n## Broker lease (bench_lease.py)\n\n| a | b |\n"
+    (out / "report.md").write_text(head + "\n## Installs (bench_installs.py)\n\nan older run\n")
+    (out / report.INSTALLS_FILE).write_text(json.dumps(_installs_data()))
+    minutes = _endurance_minutes(3, shrink=True)
+    settings = {"minutes": 3, "names": 1_000_000, "data": False, "writers": 4, "rows": 10_000, "clients": 1000,
+                "per_client": 10, "churn_per_s": 10}  # fmt: skip
+    (out / "endurance_no_data.json").write_text(json.dumps({"settings": settings, "minutes": minutes}))
+    text = report.write_on_demand(out).read_text()
+    assert text.startswith(head) and "an older run" not in text
+    assert text.index("## Endurance (bench_endurance.py --no-data)") < text.index("## Installs (bench_installs.py)")
+    assert "![endurance_no_data](endurance_no_data.png)" in text
+    assert (out / "endurance_no_data.png").read_bytes()[:8] == PNG_MAGIC
+    assert report.write_on_demand(out).read_text() == text  # rewriting again changes nothing

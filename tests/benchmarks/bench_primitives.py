@@ -229,6 +229,35 @@ def kind_two_int(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
     return _sql_pair(url, "SELECT pg_advisory_lock(1885823596, 1)", "SELECT pg_advisory_unlock(1885823596, 1)")
 
 
+def kind_lease(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    """bench_lease.py's claim + release cycle (for bench_installs.py), on a lease name per process."""
+    return _sql_pair(
+        url, f"SELECT pgbroker.broker_claim('bench{idx}')", f"SELECT pgbroker.broker_release('bench{idx}')"
+    )
+
+
+LEASE_FLOOR_TABLE = (
+    "CREATE TABLE bench_lease (name text PRIMARY KEY, epoch bigint NOT NULL, holder_pid integer,"
+    " claimed_at timestamptz)"
+)
+LEASE_FLOOR_UPDATE = (
+    "UPDATE bench_lease SET epoch = epoch + 1, holder_pid = pg_backend_pid(), claimed_at = now() WHERE name = %s"
+)
+
+
+def kind_lease_floor(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
+    """bench_lease.py's floor: try-lock, UPDATE the lease row, unlock (bench_lease as LEASE_FLOOR_TABLE makes it)."""
+    conn = _conn(url)
+    conn.execute("INSERT INTO bench_lease VALUES (%s, 0, NULL, NULL) ON CONFLICT DO NOTHING", (f"bench{idx}",))
+
+    def cycle() -> None:
+        conn.execute("SELECT pg_try_advisory_lock(1, %s)", (idx,), prepare=True)
+        conn.execute(LEASE_FLOOR_UPDATE, (f"bench{idx}",), prepare=True)
+        conn.execute("SELECT pg_advisory_unlock(1, %s)", (idx,), prepare=True)
+
+    return cycle, conn.close
+
+
 def kind_sem_wait(url: str, idx: int) -> tuple[Cycle, Callable[[], None]]:
     return _sql_pair(url, "SELECT pgbroker.semaphore_acquire('s', 4, NULL)", "SELECT pgbroker.semaphore_release('s')")
 

@@ -2,6 +2,7 @@
 
     python3 -m pip install -e '.[bench]'        # matplotlib, for the plots
     python3 tests/benchmarks/report.py [--quick] [--out DIR]
+    python3 tests/benchmarks/report.py --on-demand    # only the sections of the on-demand runs' JSON files
 
 Runs bench_lease, bench_fanout, bench_primitives and bench_scale in this
 order (never two at once: each starts its own PostgreSQL and measures against
@@ -26,10 +27,14 @@ floors of its own run), then writes into DIR (default
   takeover claim beside the empty-state claim, re-registration rates beside
   the floor's, the end-to-end restart, and the steady-state costs.
 
-When ``endurance.json`` (written by ``bench_endurance.py``, which is not run
-here: it takes 30 minutes) is in DIR, the report ends with its section and
-``endurance.png``: throughput per part, pgbroker's size and the broker's
-memory, minute by minute.
+The report ends with the sections of the benchmarks that are not run here,
+from the JSON files they leave in DIR: ``endurance.json`` and
+``endurance_no_data.json`` (``bench_endurance.py``, 30 minutes each), each
+with its plot (``endurance.png``, ``endurance_no_data.png``: throughput per
+part, pgbroker's size and the broker's memory, minute by minute), and
+``installs.json`` (``bench_installs.py``: the same calls on a superuser, a
+least-privilege and an earlier revision's install).  ``--on-demand`` rewrites
+only those sections of an existing ``report.md``, running nothing.
 
 The ratios carry the claims; absolute times move with the machine's load.
 ``--quick`` shortens the fan-out, primitives and scale runs (noisier; the scale
@@ -55,7 +60,9 @@ from typing import Any, Protocol
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 DEFAULT_OUT = REPO / "tests" / "benchmarks" / "results"
-ENDURANCE_FILE = "endurance.json"  # written by bench_endurance.py, read by write_report
+ENDURANCE_FILE = "endurance.json"  # written by bench_endurance.py (endurance_no_data.json with --no-data)
+INSTALLS_FILE = "installs.json"  # written by bench_installs.py
+ON_DEMAND_HEADINGS = ("## Endurance", "## Installs")  # the sections write_on_demand rewrites
 INSTALL_HINT = "matplotlib is needed for the plots: python3 -m pip install -e '.[bench]' (or: pip install matplotlib)"
 
 RATIO_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)x\s*$")
@@ -534,55 +541,80 @@ def render_plots(sections: Sequence[Section], out: Path) -> tuple[list[Path], li
 
 
 # ---------------------------------------------------------------------------
-# Endurance (bench_endurance.py writes endurance.json; its 30 minutes are not part of run_all)
+# The on-demand runs: their JSON files, written by bench_endurance.py and bench_installs.py (not part of run_all)
 
 
-def load_endurance(out: Path) -> dict[str, Any] | None:
-    """The endurance run recorded in out/endurance.json, if any."""
+def _load(path: Path) -> dict[str, Any]:
     import json
 
-    path = out / ENDURANCE_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    return json.loads(path.read_text())
+
+
+def load_endurance(out: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The endurance runs recorded in out/endurance*.json (with data first): (file stem, data)."""
+    paths = sorted(out.glob("endurance*.json"), key=lambda p: (p.name != ENDURANCE_FILE, p.name))
+    return [(p.stem, _load(p)) for p in paths]
 
 
 def endurance_markdown(data: dict[str, Any], plot: Path | None) -> str:
-    """The endurance section: settings, the targets, and per minute the figures bench_endurance.py records."""
+    """An endurance section: settings, the targets, and per minute the figures bench_endurance.py records."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import bench_endurance
+
     st = data["settings"]
     parts = sorted({k for m in data["minutes"] for k in m["rates"]})
+    when = ""
+    if "started" in data:
+        when = f" Run {data['started']}, load average {data['load_start'][0]:.2f} at the start"
+        when += f" and {data['load_end'][0]:.2f} at the end." if "load_end" in data else "."
     out = [
-        "## Endurance (bench_endurance.py)",
+        "## Endurance (bench_endurance.py" + ("" if st["data"] else " --no-data") + ")",
         "",
         f"{st['minutes']} minute(s) on PostgreSQL {data.get('server', '?')}: {st['writers']} writers on a watched"
         f" table, a Python Broker draining {st['clients']:,} clients x {st['per_client']} subscriptions with"
         f" {st['churn_per_s']} churns/s, and locks, {'kv_set, counter_add, ' if st['data'] else ''}rate limits on"
-        f" names drawn from {st['names']:,}; the upkeep only as the Broker runs it. Shorter than 30 minutes, the"
-        " targets compare the last third with the first and are only indicative.",
+        f" names drawn from {st['names']:,}; the upkeep only as the Broker runs it.{when} Shorter than 30 minutes,"
+        " the targets compare the last third with the first and are only indicative.",
         "",
         "| target | value | limit | verdict |",
         "|---|---|---|---|",
     ]
     out += [
         f"| {v['target']} | {v['value']:.3f} | {v['limit']} | {'ok' if v['ok'] else 'MISSED'} |"
-        for v in data.get("verdicts", [])
+        for v in bench_endurance.verdicts(data["minutes"], st["data"])
     ]
     out += ["", "| minute | " + " | ".join(f"{p}/s" for p in parts) + " | pgbroker MB | largest tables (MB) |"
-            " dead tuples | outbox | broker RSS MB |", "|" + "---|" * (len(parts) + 6)]  # fmt: skip
+            " dead tuples | outbox | WAL MB, ms per fsync | broker RSS MB | upkeep removed / left |",
+            "|" + "---|" * (len(parts) + 8)]  # fmt: skip
+    previous: dict[str, Any] = {}
     for m in data["minutes"]:
+        wal = "-"
+        if "wal_bytes" in m and "wal_bytes" in previous:
+            wal = f"{(m['wal_bytes'] - previous['wal_bytes']) / 1e6:,.0f}"
+            if m.get("wal_syncs", 0) > previous.get("wal_syncs", 0):
+                wal += (
+                    f", {(m['wal_sync_ms'] - previous['wal_sync_ms']) / (m['wal_syncs'] - previous['wal_syncs']):.2f}"
+                )
+        previous = m
         tables = sorted(m["tables"].items(), key=lambda kv: -kv[1]["bytes"])[:3]
+        upkeep = m.get("upkeep", {})
         out.append(
             f"| {m['minute']} | "
             + " | ".join(f"{m['rates'].get(p, 0):,.0f}" for p in parts)
             + f" | {m['pgbroker_bytes'] / 1e6:.1f} | "
             + ", ".join(f"{name} {t['bytes'] / 1e6:.1f}" for name, t in tables)
-            + f" | {sum(t['dead'] for t in m['tables'].values()):,} | {m['outbox_backlog']:,}"
-            f" | {m['broker_rss_kb'] / 1024:.0f} |"
+            + f" | {sum(t['dead'] for t in m['tables'].values()):,} | {m['outbox_backlog']:,} | {wal}"
+            f" | {m['broker_rss_kb'] / 1024:.0f} | "
+            + f"{sum(u['removed_total'] for u in upkeep.values()):,} / {sum(u['remaining'] for u in upkeep.values()):,}"
+            + " |"
         )
     if plot is not None:
         out += ["", f"![{plot.stem}]({plot.name})"]
     return "\n".join(out) + "\n"
 
 
-def plot_endurance(data: dict[str, Any], out: Path) -> Path | None:
+def plot_endurance(data: dict[str, Any], out: Path, stem: str = "endurance") -> Path | None:
     """Throughput per part, pgbroker's size (total and its largest tables), and the broker's RSS, per minute."""
     minutes = data["minutes"]
     if not minutes:
@@ -607,25 +639,81 @@ def plot_endurance(data: dict[str, Any], out: Path) -> Path | None:
     for ax in axes:
         ax.set_xlabel("minute")
         ax.legend(fontsize=6)
-    fig.suptitle("Endurance: speed, size and memory minute by minute", fontsize=10)
+    title = "Endurance" + ("" if data["settings"]["data"] else " (--no-data)")
+    fig.suptitle(f"{title}: speed, size and memory minute by minute", fontsize=10)
     fig.tight_layout()
-    path = out / "endurance.png"
+    path = out / f"{stem}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
+def installs_markdown(data: dict[str, Any]) -> str:
+    """The installs section: per call, each install's ratio to its floor and CPU/op, then the verdicts of
+    bench_installs.verdicts (least privilege against superuser, this tree against the baseline)."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import bench_installs
+
+    names = data["installs"]
+    judged = {(v["call"], v["install"]): v for v in bench_installs.verdicts(data)}
+    out = [
+        "## Installs (bench_installs.py)",
+        "",
+        f"PostgreSQL {data.get('server', '?')}, {data['settings']['rounds']} alternating rounds of"
+        f" {data['settings']['seconds']} s per (install, cycle); load average {data['load_start'][0]:.2f} at the start"
+        f" and {data['load_end'][0]:.2f} at the end. Each cell: the call's throughput against its floor in the same"
+        " database and the CPU per call (client + server); then, in bold, the least-privilege install's ratio"
+        " against the superuser install's, and the superuser install's (this tree) against the baseline's"
+        f" (target >= {bench_installs.TARGET}x)."
+        + (f" The baseline is commit {data['baseline']}." if data.get("baseline") else ""),
+        "",
+        "| call | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for row in data["rows"]:
+        cells = []
+        for name in names:
+            c = row["installs"].get(name)
+            if c is None:
+                cells.append("-")
+                continue
+            cell = f"{c['ratio']:.2f}x, {c['cpu_us']:,.0f} us"
+            v = judged.get((row["call"], name))
+            if v is not None:
+                cell += f"; **{v['value']:.2f}x** {'ok' if v['ok'] else 'MISSED'}"
+            cells.append(cell)
+        out.append(f"| {row['call']} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def on_demand_markdown(out: Path) -> str:
+    """The sections of the on-demand runs whose JSON files are in out (empty when none is)."""
+    parts = [endurance_markdown(data, plot_endurance(data, out, stem)) for stem, data in load_endurance(out)]
+    if (out / INSTALLS_FILE).exists():
+        parts.append(installs_markdown(_load(out / INSTALLS_FILE)))
+    return "".join("\n" + p for p in parts)
+
+
 def write_report(sections: Sequence[Section], out: Path, machine: Machine | None = None) -> Path:
-    """Write out/report.md and the PNGs beside it (matplotlib needed: ImportError says what to install), with
-    the endurance section when out/endurance.json is there (bench_endurance.py writes it)."""
+    """Write out/report.md and the PNGs beside it (matplotlib needed: ImportError says what to install), ending
+    with the on-demand runs' sections (on_demand_markdown)."""
     out.mkdir(parents=True, exist_ok=True)
     plots, skipped = render_plots(sections, out)
     report = out / "report.md"
-    text = render_markdown(machine or machine_info(), sections, plots, skipped) + "\n"
-    endurance = load_endurance(out)
-    if endurance is not None:
-        text += "\n" + endurance_markdown(endurance, plot_endurance(endurance, out))
-    report.write_text(text)
+    report.write_text(
+        render_markdown(machine or machine_info(), sections, plots, skipped) + "\n" + on_demand_markdown(out)
+    )
+    return report
+
+
+def write_on_demand(out: Path) -> Path:
+    """Rewrite only the on-demand sections at the end of an existing out/report.md; the rest stays as it is."""
+    report = out / "report.md"
+    text = report.read_text()
+    cuts = [i for h in ON_DEMAND_HEADINGS if (i := text.find("\n" + h)) >= 0]
+    kept = text[: min(cuts)] if cuts else text
+    report.write_text(kept.rstrip("\n") + "\n" + on_demand_markdown(out))
     return report
 
 
@@ -633,12 +721,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter fan-out and primitives runs (noisier figures)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--on-demand", action="store_true", help="rewrite only the on-demand runs' sections of DIR/report.md"
+    )
     args = parser.parse_args(argv)
     try:
         _matplotlib()  # fail before minutes of benchmarks, not after
     except ImportError as exc:
         print(f"report.py: {exc}", file=sys.stderr)
         return 2
+    if args.on_demand:
+        if not (args.out / "report.md").exists():
+            print(f"report.py: no {args.out / 'report.md'} to add the on-demand sections to", file=sys.stderr)
+            return 2
+        print(f"wrote {write_on_demand(args.out)}")
+        return 0
     machine = machine_info()
     sections = run_all(args.quick)
     report = write_report(sections, args.out, machine)
