@@ -69,6 +69,7 @@ DURABLE = (
     " -c track_wal_io_timing=on"  # the WAL's fsync time per minute: what a durable commit waits for
 )
 # The WAL's fsyncs and their time (ms) so far: in pg_stat_wal up to PostgreSQL 17, in pg_stat_io from 18.
+WAL_BYTES_SQL = "SELECT (pg_current_wal_lsn() - '0/0')::bigint"  # WAL written so far
 WAL_SYNC_SQL = "SELECT wal_sync, wal_sync_time FROM pg_stat_wal"
 WAL_SYNC_SQL_18 = "SELECT sum(fsyncs)::bigint, sum(fsync_time) FROM pg_stat_io WHERE object = 'wal'"
 ROWS = 10_000
@@ -173,6 +174,19 @@ def _primitives(url: str, counter: Counter, stop: threading.Event, names: int, d
             counter.add("rate_limit")
 
 
+def checkout_commit() -> str:
+    """The checkout's commit, with "+changes" when tracked files differ from it (what a run measured)."""
+    root = HERE.parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()  # fmt: skip
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+changes" if changed else "")
+
+
 def _rss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -197,9 +211,9 @@ def _sample(monitor: psycopg.Connection, broker_pid: int) -> dict[str, Any]:
         "pgbroker_bytes": sum(t["bytes"] for t in tables.values()),
         "tables": tables,
         "outbox_backlog": monitor.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0],
-        "wal_bytes": monitor.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint").fetchone()[
-            0
-        ],  # WAL written so far
+        "wal_bytes": monitor.execute(WAL_BYTES_SQL).fetchone()[0],
+        "wal_syncs": syncs,
+        "wal_sync_ms": float(sync_ms or 0),
         "broker_rss_kb": _rss_kb(broker_pid),
         "upkeep": {
             r[0]: {"removed_total": r[1], "remaining": r[2]}
@@ -286,6 +300,7 @@ def run(minutes: float = 30, names: int = 1_000_000, data: bool = True, out: Pat
         "minutes": [],
         "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_start": os.getloadavg(),
+        "commit": checkout_commit(),
     }
     with EmbeddedPostgres(postgres_options=DURABLE) as server:
         with psycopg.connect(server.url, autocommit=True) as admin:

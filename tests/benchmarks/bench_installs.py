@@ -49,6 +49,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the benchmarks' modu
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psycopg  # noqa: E402
+from bench_endurance import checkout_commit  # noqa: E402
 from bench_primitives import (  # noqa: E402
     BREAKDOWN_SQL,
     DURABLE,
@@ -179,7 +180,10 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run(cfg: Settings, baseline: str | None = None, out: Path = DEFAULT_OUT) -> dict[str, Any]:
     started = time.monotonic()
-    result: dict[str, Any] = {"settings": {"seconds": cfg.seconds, "rounds": cfg.rounds}, "target": TARGET, "rows": []}
+    result: dict[str, Any] = {
+        "settings": {"seconds": cfg.seconds, "rounds": cfg.rounds}, "target": TARGET, "rows": [],
+        "commit": checkout_commit(),
+    }  # fmt: skip
     with EmbeddedPostgres(postgres_options=DURABLE) as server:
         installs, commit = make_installs(server, baseline)
         result["installs"] = [i.name for i in installs]

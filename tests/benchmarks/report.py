@@ -566,7 +566,8 @@ def endurance_markdown(data: dict[str, Any], plot: Path | None) -> str:
     parts = sorted({k for m in data["minutes"] for k in m["rates"]})
     when = ""
     if "started" in data:
-        when = f" Run {data['started']}, load average {data['load_start'][0]:.2f} at the start"
+        when = f" Run {data['started']}" + (f" at commit {data['commit']}" if "commit" in data else "")
+        when += f", load average {data['load_start'][0]:.2f} at the start"
         when += f" and {data['load_end'][0]:.2f} at the end." if "load_end" in data else "."
     out = [
         "## Endurance (bench_endurance.py" + ("" if st["data"] else " --no-data") + ")",
@@ -574,8 +575,12 @@ def endurance_markdown(data: dict[str, Any], plot: Path | None) -> str:
         f"{st['minutes']} minute(s) on PostgreSQL {data.get('server', '?')}: {st['writers']} writers on a watched"
         f" table, a Python Broker draining {st['clients']:,} clients x {st['per_client']} subscriptions with"
         f" {st['churn_per_s']} churns/s, and locks, {'kv_set, counter_add, ' if st['data'] else ''}rate limits on"
-        f" names drawn from {st['names']:,}; the upkeep only as the Broker runs it.{when} Shorter than 30 minutes,"
-        " the targets compare the last third with the first and are only indicative.",
+        f" names drawn from {st['names']:,}; the upkeep only as the Broker runs it.{when}"
+        + (
+            " Shorter than 20 minutes, the targets compare the last third with the first and are only indicative."
+            if len(data["minutes"]) < 20
+            else ""
+        ),
         "",
         "| target | value | limit | verdict |",
         "|---|---|---|---|",
@@ -666,6 +671,7 @@ def installs_markdown(data: dict[str, Any]) -> str:
         " database and the CPU per call (client + server); then, in bold, the least-privilege install's ratio"
         " against the superuser install's, and the superuser install's (this tree) against the baseline's"
         f" (target >= {bench_installs.TARGET}x)."
+        + (f" This tree: commit {data['commit']}." if "commit" in data else "")
         + (f" The baseline is commit {data['baseline']}." if data.get("baseline") else ""),
         "",
         "| call | " + " | ".join(names) + " |",
