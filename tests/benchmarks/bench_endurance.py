@@ -187,6 +187,14 @@ def checkout_commit() -> str:
     return commit + ("+changes" if changed else "")
 
 
+def write_json(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """Write a run's RESULT to OUT (for report.py), say so, and return it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
 def _rss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -371,10 +379,7 @@ def run(minutes: float = 30, names: int = 1_000_000, data: bool = True, out: Pat
     result["verdicts"] = verdicts(result["minutes"], data)
     for v in result["verdicts"]:
         print(f"  {v['target']}: {v['value']:.3f} (target {v['limit']}) {'ok' if v['ok'] else 'MISSED'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
-    return result
+    return write_json(out, result)
 
 
 def test_endurance_quick(tmp_path: Path) -> None:

@@ -33,7 +33,6 @@ Writes ``tests/benchmarks/results/installs.json`` (``--out``), which
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -49,7 +48,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the benchmarks' modu
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psycopg  # noqa: E402
-from bench_endurance import checkout_commit  # noqa: E402
+from bench_endurance import checkout_commit, write_json  # noqa: E402
 from bench_primitives import (  # noqa: E402
     BREAKDOWN_SQL,
     DURABLE,
@@ -212,10 +211,7 @@ def run(cfg: Settings, baseline: str | None = None, out: Path = DEFAULT_OUT) -> 
     result["seconds"] = time.monotonic() - started
     missed = [v["target"] for v in result["verdicts"] if not v["ok"]]
     print(f"whole run {result['seconds']:.0f} s; targets missed: {', '.join(missed) or 'none'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
-    return result
+    return write_json(out, result)
 
 
 def test_bench_installs(tmp_path: Path) -> None:

@@ -672,7 +672,7 @@ def installs_markdown(data: dict[str, Any]) -> str:
         " against the superuser install's, and the superuser install's (this tree) against the baseline's"
         f" (target >= {bench_installs.TARGET}x)."
         + (f" This tree: commit {data['commit']}." if "commit" in data else "")
-        + (f" The baseline is commit {data['baseline']}." if data.get("baseline") else ""),
+        + (f" The baseline is commit {data['baseline'][:10]}." if data.get("baseline") else ""),
         "",
         "| call | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
