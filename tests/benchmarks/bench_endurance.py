@@ -235,6 +235,15 @@ def _window(minutes: list[dict[str, Any]]) -> int:
     return 10 if len(minutes) >= 20 else max(1, len(minutes) // 3)
 
 
+def _peak_growth(minutes: list[dict[str, Any]], w: int, size: Any) -> float:
+    """How much the peak of SIZE rose in the last W minutes: the largest sample of the run over the largest before
+    them, less 1.  Between two autovacuum passes (a minute apart by default) the tables hold the dead rows of a
+    minute of churn, so a single minute's sample swings by some 10% with where it falls in that cycle; the peak is
+    what the disk must hold and, once the churn's free space is there, it stops rising."""
+    before = minutes[:-w] if len(minutes) > w else minutes[:1]
+    return max(size(m) for m in minutes) / max(size(m) for m in before) - 1
+
+
 def verdicts(minutes: list[dict[str, Any]], data: bool) -> list[dict[str, Any]]:
     """The targets, judged on the recorded minutes."""
     if len(minutes) < 2:
@@ -254,37 +263,40 @@ def verdicts(minutes: list[dict[str, Any]], data: bool) -> list[dict[str, Any]]:
                 "ok": ratio >= TARGET_SPEED,
             }
         )
-    start = minutes[-w - 1]["pgbroker_bytes"] if len(minutes) > w else minutes[0]["pgbroker_bytes"]
-    growth = minutes[-1]["pgbroker_bytes"] / start - 1
-    out.append(
-        {
-            "target": f"pgbroker size growth over the last {w} min",
-            "value": growth,
-            "limit": TARGET_GROWTH,
-            "ok": growth < TARGET_GROWTH,
-        }
-    )
-    if data:
-        # kv_set and counter_add on names drawn from --names make new rows that are data and stay (only a delete
-        # or a TTL removes them): what is left once they are set aside is what the upkeep keeps flat.
-        def kept(m: dict[str, Any]) -> int:
-            return m["pgbroker_bytes"] - sum(m["tables"].get(t, {"bytes": 0})["bytes"] for t in DATA_TABLES)
 
-        start = minutes[-w - 1] if len(minutes) > w else minutes[0]
-        growth = kept(minutes[-1]) / kept(start) - 1
+    def total(m: dict[str, Any]) -> int:
+        return m["pgbroker_bytes"]
+
+    # kv_set and counter_add on names drawn from --names make new rows that are data and stay (only a delete or a
+    # TTL removes them): what is left once they are set aside is what the upkeep keeps flat.
+    def kept(m: dict[str, Any]) -> int:
+        return m["pgbroker_bytes"] - sum(m["tables"].get(t, {"bytes": 0})["bytes"] for t in DATA_TABLES)
+
+    for size, what in ((total, ""), *(((kept, f", less the data ({', '.join(DATA_TABLES)})"),) if data else ())):
+        growth = _peak_growth(minutes, w, size)
         out.append(
             {
-                "target": f"pgbroker size growth over the last {w} min, less the data ({', '.join(DATA_TABLES)})",
+                "target": f"pgbroker size{what}: its peak, growth over the last {w} min",
                 "value": growth,
                 "limit": TARGET_GROWTH,
                 "ok": growth < TARGET_GROWTH,
             }
         )
-    else:
-        ratio = minutes[-1]["pgbroker_bytes"] / minutes[0]["pgbroker_bytes"]
+    # The same at the two ends only: shown, not judged (a sample lands anywhere in a vacuum's cycle).
+    start = minutes[-w - 1] if len(minutes) > w else minutes[0]
+    out.append(
+        {
+            "target": f"pgbroker size, last minute / {w} min before (not judged: it swings with the vacuum cycle)",
+            "value": total(minutes[-1]) / total(start) - 1,
+            "limit": None,
+            "ok": None,
+        }
+    )
+    if not data:
+        ratio = max(m["pgbroker_bytes"] for m in minutes) / minutes[0]["pgbroker_bytes"]
         out.append(
             {
-                "target": "pgbroker size / its size after the first minute",
+                "target": "pgbroker size at its peak / its size after the first minute",
                 "value": ratio,
                 "limit": TARGET_NO_DATA,
                 "ok": ratio < TARGET_NO_DATA,
@@ -293,12 +305,16 @@ def verdicts(minutes: list[dict[str, Any]], data: bool) -> list[dict[str, Any]]:
     return out
 
 
-def run(minutes: float = 30, names: int = 1_000_000, data: bool = True, out: Path = DEFAULT_OUT) -> dict[str, Any]:
+def run(
+    minutes: float = 30, names: int = 1_000_000, data: bool = True, out: Path = DEFAULT_OUT, prefill: bool = True
+) -> dict[str, Any]:
+    prefill = prefill and data
     result: dict[str, Any] = {
         "settings": {
             "minutes": minutes,
             "names": names,
             "data": data,
+            "prefilled": prefill,
             "writers": WRITERS,
             "rows": ROWS,
             "clients": CLIENTS,
@@ -321,6 +337,15 @@ def run(minutes: float = 30, names: int = 1_000_000, data: bool = True, out: Pat
             monitor.execute("CREATE TABLE bench.items (id integer PRIMARY KEY, v bigint NOT NULL DEFAULT 0)")
             monitor.execute("INSERT INTO bench.items (id) SELECT g FROM generate_series(1, %s) g", (ROWS,))
             monitor.execute("SELECT pgbroker.watch('bench.items')")
+            if prefill:  # a year in: every name of the space has its KV entry and its counter, settled by a vacuum
+                began = time.monotonic()
+                monitor.execute("SELECT count(pgbroker.kv_set('kv/' || g, '1')) FROM generate_series(0, %s) g",
+                                (names - 1,))  # fmt: skip
+                monitor.execute("SELECT count(pgbroker.counter_add('count/' || g)) FROM generate_series(0, %s) g",
+                                (names - 1,))  # fmt: skip
+                monitor.execute("VACUUM ANALYZE pgbroker.kv_entry, pgbroker.counter")
+                result["prefill_s"] = time.monotonic() - began
+                print(f"prefilled {names:,} KV entries and counters in {result['prefill_s']:.0f} s", flush=True)
             broker = subprocess.Popen(
                 [sys.executable, "-c", BROKER, url, str(CLIENTS), str(PER_CLIENT), str(ROWS), str(CHURN_PER_S)],
                 stdin=subprocess.PIPE,
@@ -395,12 +420,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--names", type=int, default=1_000_000, help="size of the name space (default 1,000,000)")
     parser.add_argument("--no-data", action="store_true", help="no kv_set nor counter_add (only what is forgotten)")
     parser.add_argument(
+        "--no-prefill", action="store_true", help="start with no KV entries nor counters (default: one per name)"
+    )
+    parser.add_argument(
         "--out", type=Path, help=f"the JSON file (default {DEFAULT_OUT}, with --no-data {NO_DATA_OUT.name} beside it)"
     )
     args = parser.parse_args(argv)
     if args.minutes < 1 or args.names < 1:
         parser.error("--minutes and --names must be at least 1")
-    run(args.minutes, args.names, not args.no_data, args.out or (NO_DATA_OUT if args.no_data else DEFAULT_OUT))
+    out = args.out or (NO_DATA_OUT if args.no_data else DEFAULT_OUT)
+    run(args.minutes, args.names, not args.no_data, out, prefill=not args.no_prefill)
     return 0
 
 
