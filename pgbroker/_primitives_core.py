@@ -68,6 +68,7 @@ KV_SCAN_SQL = (
 COUNTER_ADD_SQL = "SELECT pgbroker.counter_add(name => %(name)s, delta => %(delta)s)"
 COUNTER_GET_SQL = "SELECT pgbroker.counter_get(name => %(name)s)"
 COUNTER_SET_SQL = "SELECT pgbroker.counter_set(name => %(name)s, value => %(value)s, expected => %(expected)s)"
+COUNTER_DELETE_SQL = "SELECT pgbroker.counter_delete(name => %(name)s, expected => %(expected)s)"
 RATE_LIMIT_SQL = (
     "SELECT allowed, retry_after, remaining FROM pgbroker.rate_limit(name => %(name)s, rate => %(rate)s,"
     " per => %(per)s, burst => %(burst)s, cost => %(cost)s)"

@@ -21,6 +21,7 @@ from pgbroker._core import BACKEND_PID_SQL, _interval, _raise_translated, pooler
 from pgbroker._primitives_core import (
     _VERDICTS,
     COUNTER_ADD_SQL,
+    COUNTER_DELETE_SQL,
     COUNTER_GET_SQL,
     COUNTER_SET_SQL,
     KV_CHANNEL_SQL,
@@ -525,6 +526,12 @@ class Counter:
         """Set the value; with ``expected``, only if the current value is that (absent counts as 0)."""
         params = {"name": self.name, "value": value, "expected": expected}
         return bool(_scalar(self.conn, COUNTER_SET_SQL, params))
+
+    def delete(self, expected: int | None = None) -> bool:
+        """Delete the counter (it reads as 0 again); with ``expected``, only if its value is that.  False when
+        it did not exist or its value differed."""
+        params = {"name": self.name, "expected": expected}
+        return bool(_scalar(self.conn, COUNTER_DELETE_SQL, params))
 
 
 class RateLimiter:

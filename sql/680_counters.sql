@@ -9,7 +9,7 @@ CREATE TABLE pgbroker.counter (
     value bigint NOT NULL,
     updated_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp()
 );
-COMMENT ON TABLE pgbroker.counter IS 'Atomic counters. Internal: use counter_add(), counter_get(), counter_set() and the view pgbroker.counters.';
+COMMENT ON TABLE pgbroker.counter IS 'Atomic counters. Internal: use counter_add(), counter_get(), counter_set(), counter_delete() and the view pgbroker.counters.';
 COMMENT ON COLUMN pgbroker.counter.name IS 'The counter name, verbatim (1 to 200 bytes).';
 COMMENT ON COLUMN pgbroker.counter.value IS 'Its value (an absent counter reads as 0).';
 COMMENT ON COLUMN pgbroker.counter.updated_at IS 'When it last changed.';
@@ -77,3 +77,24 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.counter_set(text, bigint, bigint) IS
     'Set counter NAME to VALUE and return true; with EXPECTED only when its current value is EXPECTED (an absent counter is 0): false, changing nothing, otherwise.';
+
+-- A counter is data: it stays until deleted, however long nobody touches it.
+-- A service that counts per entity (per order, per user) deletes an entity's
+-- counter when it is done with it; nothing else removes it.
+CREATE FUNCTION pgbroker.counter_delete(name text, expected bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_key(counter_delete.name, 'counter name');
+BEGIN
+    PERFORM pgbroker._name_check('counter', v_name, true);
+    DELETE FROM pgbroker.counter c
+     WHERE c.name = v_name AND (counter_delete.expected IS NULL OR c.value = counter_delete.expected);
+    RETURN FOUND;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.counter_delete(text, bigint) IS
+    'Delete counter NAME (it reads as 0 again) and return true; with EXPECTED only when its value is EXPECTED. False, changing nothing, when it does not exist or its value differs.';

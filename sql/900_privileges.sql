@@ -127,6 +127,7 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.counter_add(text, bigint),
     pgbroker.counter_get(text),
     pgbroker.counter_set(text, bigint, bigint),
+    pgbroker.counter_delete(text, bigint),
     pgbroker.rate_limit(text, integer, interval, integer, integer),
     pgbroker.name_allowed(text, text, text, regrole)
 TO pgbroker_user;

@@ -92,12 +92,14 @@ def refused(conn: psycopg.Connection, sql: str, params: dict, kind: str, name: s
 @dataclass(frozen=True)
 class Kind:
     """How to use a name of one kind: a call that writes it, one that only reads it (None: the kind has
-    none but its view), its view's rows about the name, and all pgbroker records of it (as a superuser)."""
+    none but its view), its view's rows about the name, all pgbroker records of it (as a superuser), and a
+    call that deletes it (None: the kind has none; the upkeep forgets it)."""
 
     write: str
     read: str | None
     view: str
     state: str
+    delete: str | None = None
 
 
 KINDS = {
@@ -126,12 +128,14 @@ KINDS = {
     ),
     "kv": Kind(
         write="SELECT pgbroker.kv_set(%(n)s, '1')",
+        delete="SELECT pgbroker.kv_delete(%(n)s)",
         read="SELECT * FROM pgbroker.kv_get(%(n)s)",
         view="SELECT key FROM pgbroker.kv WHERE key = %(n)s",
         state="SELECT value, version FROM pgbroker.kv_entry WHERE key = %(n)s",
     ),
     "counter": Kind(
         write="SELECT pgbroker.counter_add(%(n)s, 1)",
+        delete="SELECT pgbroker.counter_delete(%(n)s)",
         read="SELECT pgbroker.counter_get(%(n)s)",
         view="SELECT name FROM pgbroker.counters WHERE name = %(n)s",
         state="SELECT value FROM pgbroker.counter WHERE name = %(n)s",
@@ -171,6 +175,11 @@ def test_a_granted_role_may_and_another_is_refused_with_nothing_changed(kind, ro
     # A name no grant covers is anyone's, as without grants.
     reports.execute(k.write, {"n": "reports/x"})
     assert state(su, kind, "reports/x")
+    if k.delete is not None:  # deleting is writing: refused too, and the row stays
+        refused(reports, k.delete, {"n": "billing/x"}, kind, "billing/x")
+        assert state(su, kind, "billing/x") == before
+        billing.execute(k.delete, {"n": "billing/x"})
+        assert state(su, kind, "billing/x") == []
 
 
 @kinds

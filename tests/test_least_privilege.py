@@ -356,6 +356,7 @@ CALLS: list[tuple[str, str]] = [
     ("user", "SELECT pgbroker.counter_add('n', 2)"),
     ("user", "SELECT pgbroker.counter_get('n')"),
     ("user", "SELECT pgbroker.counter_set('n', 5)"),
+    ("user", "SELECT pgbroker.counter_delete('n')"),
     ("user", "SELECT * FROM pgbroker.rate_limit('r', 10, '1 s')"),
     ("admin", "SELECT pgbroker.name_grant('counter', 'g/', 'pgbroker_user')"),
     ("admin", "SELECT pgbroker.name_revoke('counter', 'g/', 'pgbroker_user')"),

@@ -309,6 +309,24 @@ def test_counters(connect: Connect):
     assert rows == [("hits", 9)]
 
 
+def test_a_counter_is_deleted_only_when_asked(connect: Connect):
+    conn, owner = connect("c", user="t_user"), connect("owner")
+    assert one(conn, "SELECT pgbroker.counter_add('order/7', 3)") == 3
+    assert one(conn, "SELECT pgbroker.counter_delete('order/7', 2)") is False  # not its value: kept
+    assert one(conn, "SELECT pgbroker.counter_get('order/7')") == 3
+    assert one(conn, "SELECT pgbroker.counter_delete('order/7', 3)") is True
+    assert one(owner, "SELECT count(*) FROM pgbroker.counter WHERE name = 'order/7'") == 0  # no row left behind
+    assert one(conn, "SELECT pgbroker.counter_get('order/7')") == 0
+    assert one(conn, "SELECT pgbroker.counter_delete('order/7')") is False  # nothing to delete
+    assert one(conn, "SELECT pgbroker.counter_add('order/7')") == 1  # starts again at 0
+    assert one(conn, "SELECT pgbroker.counter_delete('order/7')") is True
+    # maintain() never removes a counter, however long it sat unused.
+    assert one(conn, "SELECT pgbroker.counter_add('kept')") == 1
+    owner.execute("UPDATE pgbroker.counter SET updated_at = now() - interval '1 year' WHERE name = 'kept'")
+    owner.execute("SELECT pgbroker.maintain()")
+    assert one(conn, "SELECT pgbroker.counter_get('kept')") == 1
+
+
 def test_kv_view_shows_values_only_to_members_of_pgbroker_user(connect: Connect):
     """Readers see keys and versions; members of pgbroker_user (t_user, t_admin) see the values too."""
     kv_set(connect("w", user="t_user"), "secret", {"token": "s3"})
@@ -338,6 +356,7 @@ CALLS = [
     "SELECT pgbroker.counter_add('p')",
     "SELECT pgbroker.counter_get('p')",
     "SELECT pgbroker.counter_set('p', 1)",
+    "SELECT pgbroker.counter_delete('p')",
 ]
 
 
@@ -389,6 +408,8 @@ BAD_INPUT = [
     ("SELECT pgbroker.counter_add('ok', 9223372036854775807)", ()),  # created, then added: fine once...
     ("SELECT pgbroker.counter_set('ok', NULL)", ()),
     ("SELECT pgbroker.counter_get(%s)", (LONG,)),
+    ("SELECT pgbroker.counter_delete(%s)", (LONG,)),
+    ("SELECT pgbroker.counter_delete('')", ()),
 ]
 
 
@@ -805,6 +826,8 @@ def test_python_counter(connect: Connect):
     with pytest.raises(InvalidArgument) as info:
         counter.add(2**63 - 1)
     assert info.value.sqlstate == "22003" and counter.get() == 10
+    assert counter.delete(expected=9) is False and counter.get() == 10
+    assert counter.delete() is True and counter.get() == 0 and counter.delete() is False
     with pytest.raises(InvalidArgument):
         Counter(counter.conn, "").add()
 
@@ -829,6 +852,7 @@ def test_async_flavour(db_url: str, connect: Connect):
             counter = AsyncCounter(conn, "ac")
             assert await counter.add(2) == 2 and await counter.get() == 2
             assert await counter.set(0, expected=2) is True
+            assert await counter.delete(expected=0) is True and await counter.delete() is False
             # A blocking acquire woken by a release from another session.
             assert sem(other, "asem", 1) == 1
             waiter = AsyncSemaphore(conn, "asem", limit=1, timeout=5)

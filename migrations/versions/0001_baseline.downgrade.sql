@@ -35,6 +35,7 @@ DROP FUNCTION pgbroker._rate_limit_invalid(integer, interval, integer, integer);
 DROP FUNCTION pgbroker._rate_limit_duration(numeric);
 DROP FUNCTION pgbroker._rate_limit_interval(integer, interval);
 DROP TABLE pgbroker.rate_limit_state;
+DROP FUNCTION pgbroker.counter_delete(text, bigint);
 DROP FUNCTION pgbroker.counter_set(text, bigint, bigint);
 DROP FUNCTION pgbroker.counter_get(text);
 DROP FUNCTION pgbroker.counter_add(text, bigint);
