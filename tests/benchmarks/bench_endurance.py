@@ -408,7 +408,8 @@ def run(
     result["load_end"] = os.getloadavg()
     result["verdicts"] = verdicts(result["minutes"], data)
     for v in result["verdicts"]:
-        print(f"  {v['target']}: {v['value']:.3f} (target {v['limit']}) {'ok' if v['ok'] else 'MISSED'}")
+        verdict = "shown" if v["ok"] is None else "ok" if v["ok"] else "MISSED"
+        print(f"  {v['target']}: {v['value']:.3f} (target {v['limit']}) {verdict}")
     return write_json(out, result)
 
 
