@@ -171,6 +171,8 @@ RETURNS text
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off  -- see outbox_fetch()
+SET enable_bitmapscan = off
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(broker_sleep.name);
@@ -360,12 +362,24 @@ COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
 -- unresolved row it sees (an index probe, normally on nothing), and the
 -- next call resolves that one.  So no row is returned without its clients,
 -- and the rows of one row of a table still come in commit order.
+--
+-- Its plans, and outbox_ack()'s and broker_sleep()'s, are held to the
+-- indexes (enable_seqscan and enable_bitmapscan off): the outbox's
+-- statistics are those of the moment autovacuum last looked (a few live
+-- rows on the pages a minute of churn left), every vacuum invalidates the
+-- plans made on them, and the next may be a sequential scan of every page
+-- per call, or a bitmap scan.  Neither marks the dead index entries it
+-- passes as dead, as an index scan does, so the indexes then bloat: in
+-- bench_endurance.py --no-data, outbox_name_epoch_id went from 16 kB to
+-- 2.4 MB in the minute after the ack's plan turned to a sequential scan.
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 DECLARE
     v_epoch bigint;
@@ -429,6 +443,8 @@ RETURNS bigint
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 DECLARE
     v_name text := pgbroker._check_name(outbox_ack.name);
