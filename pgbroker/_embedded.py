@@ -251,7 +251,8 @@ class EmbeddedPostgres:
 
     Use it as a context manager (or call :meth:`start` and :meth:`stop`);
     :meth:`stop` removes the directory.  ``os_user`` runs the server when the
-    current process is root; it is ignored otherwise.
+    current process is root; it is ignored otherwise.  ``parent`` is where the
+    directory is made (default: the system's temporary directory).
     """
 
     def __init__(
@@ -261,8 +262,10 @@ class EmbeddedPostgres:
         port: int | None = None,
         host: str = "127.0.0.1",
         os_user: str = OS_USER,
+        parent: str | None = None,
     ) -> None:
         self.postgres_options = postgres_options
+        self.parent = parent
         self.port = port if port is not None else free_port()
         self.host = host
         self.os_user = os_user
@@ -321,7 +324,7 @@ class EmbeddedPostgres:
             self._start_server()
             return self
         with contextlib.ExitStack() as undo:
-            self.directory = Path(tempfile.mkdtemp(prefix="pgbroker-pg-"))
+            self.directory = Path(tempfile.mkdtemp(prefix="pgbroker-pg-", dir=self.parent))
             undo.callback(self._forget)
             undo.callback(self._kill_postmaster)  # runs first: a half-started server is stopped
             self.bin_dir = find_pg_bin()

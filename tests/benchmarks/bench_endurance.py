@@ -67,8 +67,6 @@ from pgbroker import install  # noqa: E402
 from pgbroker._embedded import EmbeddedPostgres  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results" / "endurance.json"
-NO_DATA_OUT = HERE / "results" / "endurance_no_data.json"  # the default with --no-data
 DURABLE = (
     "-c fsync=on -c synchronous_commit=on -c full_page_writes=on -c shared_buffers=256MB -c max_wal_size=2GB"
     " -c track_wal_io_timing=on"  # the WAL's fsync time per minute: what a durable commit waits for
@@ -86,6 +84,8 @@ TARGET_SPEED = 0.95
 TARGET_GROWTH = 0.05
 TARGET_NO_DATA = 2.0
 DATA_TABLES = ("kv_entry", "counter")  # what kv_set and counter_add write: data, kept until deleted
+OPERATIONS = ("writes", "locks", "kv_set", "counter_add", "rate_limit")  # what CPU per operation divides by
+IN_MEMORY = "/dev/shm"  # --in-memory: the server's directory on this tmpfs
 
 # The broker process: claim, subscribe CLIENTS clients, then fetch + ack and churn until stdin closes; prints
 # a JSON line of its running totals every second.
@@ -200,6 +200,26 @@ def write_json(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _cpu_s(pid: int, reaped: bool = False) -> float:
+    """CPU seconds (user + system) PID has used, with those of its children it reaped when REAPED."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # fields[0] is field 3, the state
+    ticks = sum(int(f) for f in fields[11 : 15 if reaped else 13])  # utime, stime (, cutime, cstime)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _server_cpu_s(postmaster: int) -> float:
+    """CPU seconds the server has used: the postmaster's, its live children's (backends, autovacuum, WAL writer...)
+    and those of the children it reaped (a child's time moves from the one to the other when it exits)."""
+    total = _cpu_s(postmaster, reaped=True)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                total += _cpu_s(int(stat.parent.name))
+        except (OSError, ValueError):  # gone meanwhile: its time is in the postmaster's reaped total
+            continue
+    return total
+
+
 def _rss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -215,7 +235,7 @@ SELECT c.relname, pg_total_relation_size(c.oid), coalesce(s.n_dead_tup, 0)
  ORDER BY 2 DESC"""
 
 
-def _sample(monitor: psycopg.Connection, broker_pid: int) -> dict[str, Any]:
+def _sample(monitor: psycopg.Connection, broker_pid: int, postmaster: int) -> dict[str, Any]:
     tables = {r[0]: {"bytes": r[1], "dead": r[2]} for r in monitor.execute(SIZES_SQL)}
     syncs, sync_ms = monitor.execute(
         WAL_SYNC_SQL_18 if monitor.info.server_version >= 180000 else WAL_SYNC_SQL
@@ -228,11 +248,24 @@ def _sample(monitor: psycopg.Connection, broker_pid: int) -> dict[str, Any]:
         "wal_syncs": syncs,
         "wal_sync_ms": float(sync_ms or 0),
         "broker_rss_kb": _rss_kb(broker_pid),
+        "server_cpu_s": _server_cpu_s(postmaster),
+        "broker_cpu_s": _cpu_s(broker_pid),
         "upkeep": {
             r[0]: {"removed_total": r[1], "remaining": r[2]}
             for r in monitor.execute("SELECT part, removed_total, remaining FROM pgbroker.upkeep")
         },
     }
+
+
+def cpu_ms_per_op(minutes: list[dict[str, Any]], previous: dict[str, Any] | None) -> float | None:
+    """The server's CPU milliseconds per operation (a watched write or a primitive call) over MINUTES, which follow
+    PREVIOUS (None: from the first minute's end; None when the run recorded no CPU)."""
+    if previous is None:
+        previous, minutes = minutes[0], minutes[1:]
+    if not minutes or "server_cpu_s" not in previous or "seconds" not in minutes[0]:
+        return None
+    ops = sum(sum(m["rates"].get(p, 0) for p in OPERATIONS) * m["seconds"] for m in minutes)
+    return (minutes[-1]["server_cpu_s"] - previous["server_cpu_s"]) * 1e3 / ops if ops else None
 
 
 def _window(minutes: list[dict[str, Any]]) -> int:
@@ -287,6 +320,18 @@ def verdicts(minutes: list[dict[str, Any]], data: bool) -> list[dict[str, Any]]:
                 "ok": growth < TARGET_GROWTH,
             }
         )
+    # What the server spends per operation, apart from how long its disk takes to fsync: shown, not judged.
+    before, after = cpu_ms_per_op(first, None), cpu_ms_per_op(last, minutes[-w - 1] if len(minutes) > w else None)
+    if before and after:
+        out.append(
+            {
+                "target": f"server CPU per operation, last {w} min / first {w} min (not judged: the disk's part"
+                " is not in it)",
+                "value": after / before,
+                "limit": None,
+                "ok": None,
+            }
+        )
     # The same at the two ends only: shown, not judged (a sample lands anywhere in a vacuum's cycle).
     start = minutes[-w - 1] if len(minutes) > w else minutes[0]
     out.append(
@@ -310,16 +355,28 @@ def verdicts(minutes: list[dict[str, Any]], data: bool) -> list[dict[str, Any]]:
     return out
 
 
+def default_out(data: bool = True, in_memory: bool = False) -> Path:
+    """Where a run's JSON goes unless --out says: endurance[_no_data][_in_memory].json in results/."""
+    return HERE / "results" / f"endurance{'' if data else '_no_data'}{'_in_memory' if in_memory else ''}.json"
+
+
 def run(
-    minutes: float = 30, names: int = 1_000_000, data: bool = True, out: Path = DEFAULT_OUT, prefill: bool = True
+    minutes: float = 30,
+    names: int = 1_000_000,
+    data: bool = True,
+    out: Path | None = None,
+    prefill: bool = True,
+    in_memory: bool = False,
 ) -> dict[str, Any]:
     prefill = prefill and data
+    out = out or default_out(data, in_memory)
     result: dict[str, Any] = {
         "settings": {
             "minutes": minutes,
             "names": names,
             "data": data,
             "prefilled": prefill,
+            "in_memory": in_memory,
             "writers": WRITERS,
             "rows": ROWS,
             "clients": CLIENTS,
@@ -331,7 +388,7 @@ def run(
         "load_start": os.getloadavg(),
         "commit": checkout_commit(),
     }
-    with EmbeddedPostgres(postgres_options=DURABLE) as server:
+    with EmbeddedPostgres(postgres_options=DURABLE, parent=IN_MEMORY if in_memory else None) as server:
         with psycopg.connect(server.url, autocommit=True) as admin:
             admin.execute("CREATE DATABASE bench")
         url = server.url_for("bench")
@@ -358,6 +415,7 @@ def run(
                 text=True,
             )
             counter = Counter()
+            postmaster = int((server.datadir / "postmaster.pid").read_text().split()[0])
 
             def read_broker() -> None:
                 assert broker.stdout is not None
@@ -384,7 +442,8 @@ def run(
                     time.sleep(max(0.0, started + 60 * minute - time.monotonic()))
                     now, totals = time.monotonic(), counter.snapshot()
                     rates = {k: (v - before.get(k, 0)) / (now - at) for k, v in totals.items()}
-                    sample = {"minute": minute, "rates": rates, **_sample(monitor, broker.pid)}
+                    sample = {"minute": minute, "seconds": now - at, "rates": rates,
+                              **_sample(monitor, broker.pid, postmaster)}  # fmt: skip
                     result["minutes"].append(sample)
                     before, at = totals, now
                     print(
@@ -429,13 +488,18 @@ def main(argv: list[str] | None = None) -> int:
         "--no-prefill", action="store_true", help="start with no KV entries nor counters (default: one per name)"
     )
     parser.add_argument(
-        "--out", type=Path, help=f"the JSON file (default {DEFAULT_OUT}, with --no-data {NO_DATA_OUT.name} beside it)"
+        "--in-memory", action="store_true", help=f"the server's files on the tmpfs {IN_MEMORY}: fsync returns at once"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"the JSON file (default {default_out()}; with --no-data, --in-memory:"
+        f" {default_out(False, True).name} and the like beside it)",
     )
     args = parser.parse_args(argv)
     if args.minutes < 1 or args.names < 1:
         parser.error("--minutes and --names must be at least 1")
-    out = args.out or (NO_DATA_OUT if args.no_data else DEFAULT_OUT)
-    run(args.minutes, args.names, not args.no_data, out, prefill=not args.no_prefill)
+    run(args.minutes, args.names, not args.no_data, args.out, prefill=not args.no_prefill, in_memory=args.in_memory)
     return 0
 
 

@@ -570,14 +570,24 @@ def endurance_markdown(data: dict[str, Any], plot: Path | None) -> str:
         when += f", load average {data['load_start'][0]:.2f} at the start"
         when += f" and {data['load_end'][0]:.2f} at the end." if "load_end" in data else "."
     out = [
-        "## Endurance (bench_endurance.py" + ("" if st["data"] else " --no-data") + ")",
+        "## Endurance (bench_endurance.py"
+        + ("" if st["data"] else " --no-data")
+        + (" --in-memory" if st.get("in_memory") else "")
+        + ")",
         "",
         f"{st['minutes']} minute(s) on PostgreSQL {data.get('server', '?')}: {st['writers']} writers on a watched"
         f" table, a Python Broker draining {st['clients']:,} clients x {st['per_client']} subscriptions with"
         f" {st['churn_per_s']} churns/s, and locks, {'kv_set, counter_add, ' if st['data'] else ''}rate limits on"
         f" names drawn from {st['names']:,}"
         + (", every one of which had its KV entry and counter before the start" if st.get("prefilled") else "")
-        + f"; the upkeep only as the Broker runs it.{when}"
+        + "; the upkeep only as the Broker runs it."
+        + (
+            f" The server's files on a tmpfs ({bench_endurance.IN_MEMORY}): its fsyncs return at once, so the"
+            " throughput is what the CPU allows."
+            if st.get("in_memory")
+            else ""
+        )  # fmt: skip
+        + when
         + (
             " Shorter than 20 minutes, the targets compare the last third with the first and are only indicative."
             if len(data["minutes"]) < 20
@@ -593,10 +603,11 @@ def endurance_markdown(data: dict[str, Any], plot: Path | None) -> str:
         for v in bench_endurance.verdicts(data["minutes"], st["data"])
     ]
     out += ["", "| minute | " + " | ".join(f"{p}/s" for p in parts) + " | pgbroker MB | largest tables (MB) |"
-            " dead tuples | outbox | WAL MB, ms per fsync | broker RSS MB | upkeep removed / left |",
-            "|" + "---|" * (len(parts) + 8)]  # fmt: skip
+            " dead tuples | outbox | WAL MB, ms per fsync | server CPU ms/op | broker RSS MB | upkeep removed / left |",
+            "|" + "---|" * (len(parts) + 9)]  # fmt: skip
     previous: dict[str, Any] = {}
     for m in data["minutes"]:
+        cpu = bench_endurance.cpu_ms_per_op([m], previous) if previous else None
         wal = "-"
         if "wal_bytes" in m and "wal_bytes" in previous:
             wal = f"{(m['wal_bytes'] - previous['wal_bytes']) / 1e6:,.0f}"
@@ -613,7 +624,7 @@ def endurance_markdown(data: dict[str, Any], plot: Path | None) -> str:
             + f" | {m['pgbroker_bytes'] / 1e6:.1f} | "
             + ", ".join(f"{name} {t['bytes'] / 1e6:.1f}" for name, t in tables)
             + f" | {sum(t['dead'] for t in m['tables'].values()):,} | {m['outbox_backlog']:,} | {wal}"
-            f" | {m['broker_rss_kb'] / 1024:.0f} | "
+            f" | {'-' if cpu is None else f'{cpu:.2f}'} | {m['broker_rss_kb'] / 1024:.0f} | "
             + f"{sum(u['removed_total'] for u in upkeep.values()):,} / {sum(u['remaining'] for u in upkeep.values()):,}"
             + " |"
         )
