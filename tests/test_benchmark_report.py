@@ -208,6 +208,29 @@ def test_the_endurance_targets_and_their_section(report, tmp_path):
     assert (out / "endurance.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_the_servers_cpu_per_operation_is_shown_beside_the_throughput(report):
+    """CPU seconds over (writes + primitive calls) x seconds, per minute in the table and window against window
+    among the verdicts, shown, not judged; an --in-memory run says so in its heading."""
+    endurance = _bench("bench_endurance")
+    minutes = _endurance_minutes(30, shrink=True)
+    for m in minutes:  # 600 operations/s (writes 400, locks 100, rate_limit 100), 30 CPU seconds a minute
+        m["seconds"], m["server_cpu_s"] = 60.0, 30.0 * m["minute"]
+    cpu = {v["target"]: v for v in endurance.verdicts(minutes, data=False)}[
+        "server CPU per operation, last 10 min / first 10 min (not judged: the disk's part is not in it)"
+    ]
+    assert cpu["value"] == pytest.approx(1.0) and cpu["ok"] is None and cpu["limit"] is None
+    assert endurance.cpu_ms_per_op(minutes[1:2], minutes[0]) == pytest.approx(30_000 / 36_000)
+    assert endurance.cpu_ms_per_op(minutes[:1], None) is None  # nothing before the first minute to subtract
+    data = {"settings": {"minutes": 30, "names": 1_000_000, "data": False, "in_memory": True, "writers": 4,
+                         "rows": 10_000, "clients": 1000, "per_client": 10, "churn_per_s": 10},
+            "server": "15.18", "minutes": minutes}  # fmt: skip
+    text = report.endurance_markdown(data, None)
+    assert "## Endurance (bench_endurance.py --no-data --in-memory)" in text and "on a tmpfs (/dev/shm)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 2 | "))
+    assert "| 0.83 |" in row
+    assert endurance.default_out(False, True).name == "endurance_no_data_in_memory.json"
+
+
 def test_with_data_the_growth_is_also_judged_less_the_data_tables():
     endurance = _bench("bench_endurance")
     minutes = _endurance_minutes(30, shrink=True)

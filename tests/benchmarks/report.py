@@ -28,10 +28,10 @@ floors of its own run), then writes into DIR (default
   the floor's, the end-to-end restart, and the steady-state costs.
 
 The report ends with the sections of the benchmarks that are not run here,
-from the JSON files they leave in DIR: ``endurance.json`` and
-``endurance_no_data.json`` (``bench_endurance.py``, 30 minutes each), each
-with its plot (``endurance.png``, ``endurance_no_data.png``: throughput per
-part, pgbroker's size and the broker's memory, minute by minute), and
+from the JSON files they leave in DIR: ``endurance*.json``
+(``bench_endurance.py``, 30 minutes each: with data, ``--no-data``,
+``--in-memory``), each with its plot (the same name in ``.png``: throughput
+per part, pgbroker's size and the broker's memory, minute by minute), and
 ``installs.json`` (``bench_installs.py``: the same calls on a superuser, a
 least-privilege and an earlier revision's install).  ``--on-demand`` rewrites
 only those sections of an existing ``report.md``, running nothing.
