@@ -203,6 +203,42 @@ def test_unregister_drops_subscriptions_and_interest(connect, watch_mode):
     assert summary(drain(broker)) == [("U", 1, ["name"], ("c2",))]
 
 
+def test_an_unregister_and_an_ack_of_the_same_rows_never_deadlock(connect, watch_mode):
+    """The unregister strikes its client from the pending rows in one pass in id order, as an ack deletes them:
+    an ack holding the earlier row and then acknowledging the later one waits for nobody.  (Two passes, the rows
+    naming the client alone deleted first and then the others updated, deadlocked here: found by
+    bench_endurance.py, whose churn unregisters clients while the broker acknowledges.)"""
+    broker, other, writer = connect("broker"), connect("unregister"), connect("writer")
+    epoch = claim(broker)
+    seed_objects(writer, [1, 2])
+    for client in ("x", "y"):
+        register(broker, client)
+    for client, key in (("x", 1), ("y", 1), ("x", 2)):
+        subscribe(broker, client, key=key)
+    writer.execute("UPDATE initech.objects SET name = 'a' WHERE id = 1")  # for x and y
+    writer.execute("UPDATE initech.objects SET name = 'b' WHERE id = 2")  # for x alone
+    first, second = (r["id"] for r in fetch(broker))
+    outcome: dict[str, object] = {}
+
+    def unregister_x() -> None:
+        try:
+            outcome["unregistered"] = unregister(other, "x", epoch=epoch)
+        except psycopg.Error as exc:
+            outcome["unregistered"] = exc
+
+    with broker.transaction():
+        assert ack(broker, [first]) == 1  # holds the first row until the commit
+        thread = threading.Thread(target=unregister_x)
+        thread.start()
+        wait_until(lambda: writer.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'unregister' AND wait_event_type = 'Lock'"
+        ).fetchone()[0] == 1)  # fmt: skip
+        assert ack(broker, [second]) == 1  # no deadlock_detected (40P01) here ...
+    thread.join(30)
+    assert outcome == {"unregistered": True}  # ... nor there
+    assert raw_outbox(writer) == []
+
+
 def test_fetch_lists_clients_in_subscription_order_and_leaves_out_unregistered_ones(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)

@@ -3096,6 +3096,13 @@ AS $$
 BEGIN
     -- (Clients of an earlier epoch: their rows are never fetched, and broker_sweep() deletes them.)
     IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
+        -- The rows first, locked in id order as an ack locks them: two
+        -- passes (deleting, then updating) each taking its rows as it went
+        -- deadlocked with an ack holding a row of the second pass and
+        -- waiting for one of the first.
+        PERFORM FROM pgbroker.outbox o
+          WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients @> ARRAY[OLD.client_id]
+          ORDER BY o.id FOR UPDATE;
         DELETE FROM pgbroker.outbox o
          WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients = ARRAY[OLD.client_id];
         UPDATE pgbroker.outbox o SET clients = array_remove(o.clients, OLD.client_id)
