@@ -203,6 +203,36 @@ def test_unregister_drops_subscriptions_and_interest(connect, watch_mode):
     assert summary(drain(broker)) == [("U", 1, ["name"], ("c2",))]
 
 
+def test_the_outbox_readers_use_its_indexes_whatever_its_statistics_say(connect, watch_mode):
+    """A vacuum of a drained outbox leaves statistics of a few rows on many pages, on which the planner picks a
+    sequential scan for the ack (it did, and the indexes bloated): outbox_fetch, outbox_ack and broker_sleep
+    scan the outbox by its indexes all the same."""
+    broker, writer = connect("broker"), connect("writer")
+    claim(broker)
+    register(broker, "c1")
+    subscribe(broker, "c1")
+    seed_objects(writer, range(1, 20_001))
+    ids = [r["id"] for r in fetch(broker, max_rows=100_000)]
+    ack(broker, ids[:-5])
+    writer.execute("VACUUM ANALYZE pgbroker.outbox")
+    stats = "SELECT relpages, reltuples FROM pg_class WHERE oid = 'pgbroker.outbox'::regclass"
+    pages, rows = writer.execute(stats).fetchone()
+    assert pages > 100 and rows < 10
+
+    def seq_scans() -> int:
+        broker.execute("SELECT pg_stat_force_next_flush()")  # this session's counts, flushed at its end
+        query = "SELECT seq_scan FROM pg_stat_user_tables WHERE relid = 'pgbroker.outbox'::regclass"
+        return writer.execute(query).fetchone()[0]
+
+    before = seq_scans()
+    for _ in range(20):
+        broker.execute("SELECT count(*) FROM pgbroker.outbox_fetch('default', 10, %s)", ([ids[-1]],))
+        ack(broker, [ids[-1]])
+    wake(broker)
+    assert sleep(broker) == "pending"
+    assert seq_scans() == before
+
+
 def test_an_unregister_and_an_ack_of_the_same_rows_never_deadlock(connect, watch_mode):
     """The unregister strikes its client from the pending rows in one pass in id order, as an ack deletes them:
     an ack holding the earlier row and then acknowledging the later one waits for nobody.  (Two passes, the rows
