@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 import uuid
@@ -27,6 +28,8 @@ from pgbroker._core import (
     CHANNEL_SQL,
     CLAIM_SQL,
     CLIENT_UPDATE_SQL,
+    CONFLICT_RETRIES,
+    CONFLICT_SQLSTATES,
     DEAD_MAN_SQL,
     FETCH_SQL,
     HEARTBEAT_SQL,
@@ -416,13 +419,24 @@ class Broker(_BrokerBase):
         """Pending notifications, oldest first (``outbox_fetch``); they stay until acknowledged.
 
         ``ack``: ids to acknowledge first, in the same round trip (see :meth:`ack`).
+
+        A deadlock or serialization failure (40P01, 40001) with another
+        session holding outbox rows rolls the call back whole, the
+        acknowledgements too; it runs again, up to three times more, before
+        the error is raised.
         """
         params = {"name": self.name, "max_rows": max_rows, "ack": ack}
-        return [Notification(*row) for row in self._execute(FETCH_SQL, params)]
+        return [Notification(*row) for row in self._execute_again_on_conflict(FETCH_SQL, params)]
 
     def ack(self, ids: list[int]) -> int:
-        """Acknowledge delivered notifications (``outbox_ack``); returns how many were removed."""
-        return int(self._scalar(ACK_SQL, {"name": self.name, "ids": list(ids)})) if ids else 0
+        """Acknowledge delivered notifications (``outbox_ack``); returns how many were removed.
+
+        Run again on a deadlock or serialization failure, as :meth:`fetch` is.
+        """
+        if not ids:
+            return 0
+        rows = self._execute_again_on_conflict(ACK_SQL, {"name": self.name, "ids": list(ids)})
+        return int(rows[0][0])
 
     def notifications(
         self,
@@ -674,6 +688,18 @@ class Broker(_BrokerBase):
             self._fire_on_lost()
             raise result
         return result
+
+    def _execute_again_on_conflict(self, query: str, params: Any) -> list[Any]:
+        """:meth:`_execute` of a statement that is a whole transaction, run again on a conflict (CONFLICT_RETRIES)."""
+        for attempt in range(1, CONFLICT_RETRIES + 2):
+            try:
+                return self._execute(query, params)
+            except PgBrokerError as exc:
+                if exc.sqlstate not in CONFLICT_SQLSTATES or attempt > CONFLICT_RETRIES:
+                    raise
+                log.warning("%r: %s (%s), running it again", self, str(exc).strip(), exc.sqlstate)
+            time.sleep(random.uniform(0, 0.01 * attempt))
+        raise AssertionError("unreachable")
 
     def _scalar(self, query: str, params: Any) -> Any:
         """The first column of the first row of :meth:`_execute`."""

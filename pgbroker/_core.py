@@ -109,6 +109,14 @@ FETCH_SQL = (
     'SELECT id, "table", op, key, changed, clients, at FROM pgbroker.outbox_fetch(%(name)s, %(max_rows)s, %(ack)s)'
 )
 ACK_SQL = "SELECT pgbroker.outbox_ack(%(name)s, %(ids)s)"
+# A fetch or an ack is one statement in autocommit: a deadlock (40P01) or a
+# serialization failure (40001) rolled all of it back, acknowledgements
+# included, so it runs again, this many times more, after a random pause of up
+# to 10 ms times the attempt.  A conflict is another session holding outbox
+# rows while it waits on ones the broker holds (an operator's transaction that
+# locks or deletes outbox rows): rare, and over once one side gives way.
+CONFLICT_SQLSTATES = frozenset({"40P01", "40001"})
+CONFLICT_RETRIES = 3
 WAKE_SQL = "SELECT pgbroker.broker_wake(%(name)s)"
 SLEEP_SQL = "SELECT pgbroker.broker_sleep(%(name)s)"
 CHANNEL_SQL = "SELECT pgbroker.wakeup_channel(%(name)s)"

@@ -106,6 +106,48 @@ def test_iterator_wakes_on_notify_and_acknowledges(db_url, connect, watch_mode):
     assert writer.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0] <= 1  # the last batch is not acked
 
 
+def test_a_fetch_that_deadlocks_runs_again_and_acknowledges(db_url, connect, caplog):
+    """A session holding outbox rows while it waits on one an ack holds: the server aborts one side (40P01).
+
+    The broker's call is the one aborted (it waited first: its 1 s deadlock_timeout fires before the
+    holder's 30 s), and being one statement in autocommit, nothing of it stays: it runs again, waits for
+    the holder to commit, and acknowledges both rows.  Raised DatabaseError (40P01) before.
+    """
+    writer, holder, probe = connect("writer"), connect("holder"), connect("probe")
+    _seed(writer, 2)
+    with Broker(db_url) as broker:
+        broker.register("c1")
+        broker.subscribe("c1", "initech.objects")
+        writer.execute("UPDATE initech.objects SET name = 'x'")
+        first, second = sorted(n.id for n in broker.fetch())
+
+        def broker_waits() -> bool:
+            return probe.execute(
+                "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (broker.pid,)
+            ).fetchone()[0]
+
+        result: list = []
+        with holder.transaction():
+            holder.execute("SET LOCAL deadlock_timeout = '30s'")
+            holder.execute("SELECT 1 FROM pgbroker.outbox WHERE id = %s FOR UPDATE", (second,))
+            thread = threading.Thread(target=lambda: result.append(broker.ack([first, second])))
+            thread.start()
+            _wait(broker_waits)  # the ack holds FIRST and waits for SECOND
+            holder.execute("SELECT 1 FROM pgbroker.outbox WHERE id = %s FOR UPDATE", (first,))  # the cycle
+            _wait(broker_waits)  # aborted, run again, and waiting for the holder now
+        thread.join(10)
+    assert result == [2]
+    assert [r for r in caplog.records if "40P01" in r.getMessage()], "the conflict is logged"
+    assert writer.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0] == 0
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_iterator_stops_when_the_lease_is_lost(db_url, connect):
     admin = connect("admin")
     with Broker(db_url, heartbeat_interval=0.2) as broker:
