@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from pgbroker import AsyncBroker, Broker, LeaseLost, NotWatched, UnknownClient
+from tests.lease_util import Background, wait_until, waiting
 
 
 def _seed(conn: psycopg.Connection, n: int = 10) -> None:
@@ -121,31 +122,16 @@ def test_a_fetch_that_deadlocks_runs_again_and_acknowledges(db_url, connect, cap
         writer.execute("UPDATE initech.objects SET name = 'x'")
         first, second = sorted(n.id for n in broker.fetch())
 
-        def broker_waits() -> bool:
-            return probe.execute(
-                "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (broker.pid,)
-            ).fetchone()[0]
-
-        result: list = []
         with holder.transaction():
             holder.execute("SET LOCAL deadlock_timeout = '30s'")
             holder.execute("SELECT 1 FROM pgbroker.outbox WHERE id = %s FOR UPDATE", (second,))
-            thread = threading.Thread(target=lambda: result.append(broker.ack([first, second])))
-            thread.start()
-            _wait(broker_waits)  # the ack holds FIRST and waits for SECOND
+            acking = Background(lambda: broker.ack([first, second]))
+            wait_until(lambda: waiting(probe, broker.pid), what="the ack to hold FIRST and wait for SECOND")
             holder.execute("SELECT 1 FROM pgbroker.outbox WHERE id = %s FOR UPDATE", (first,))  # the cycle
-            _wait(broker_waits)  # aborted, run again, and waiting for the holder now
-        thread.join(10)
-    assert result == [2]
+            wait_until(lambda: waiting(probe, broker.pid), what="the ack, aborted and run again, to wait")
+        assert acking.result() == 2
     assert [r for r in caplog.records if "40P01" in r.getMessage()], "the conflict is logged"
     assert writer.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0] == 0
-
-
-def _wait(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_iterator_stops_when_the_lease_is_lost(db_url, connect):
