@@ -14,14 +14,17 @@ last restartpoint is older than the install), the primary dies, the standby is
 promoted; then, on the new primary: a broker claims a greater epoch, the old one
 is fenced, a client registers and subscribes, writes to the watched table all
 commit and are all delivered, and a rate limit decides.  A control table made in
-the same window the old way (UNLOGGED with an identity column) shows that the
-scenario is the one that breaks an unlogged sequence on PostgreSQL 15.
+the same window the old way (UNLOGGED with an identity column) shows whether the
+server at hand has the bug: PostgreSQL 15.18 breaks it here; 15.20 and 18.6 bring
+it through intact, and the test then warns that the control showed nothing.
+pgbroker's side is proved on every version.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import psycopg
@@ -105,7 +108,7 @@ def test_writes_and_claims_work_on_a_standby_promoted_without_a_restartpoint(pri
             # No restartpoint since before the install: the standby's last one is older.
             redo = conn.execute("SELECT redo_lsn::text FROM pg_control_checkpoint()").fetchone()[0]
             assert conn.execute("SELECT %s::pg_lsn < %s::pg_lsn", (redo, before_install)).fetchone() == (True,)
-            major = conn.execute("SHOW server_version_num").fetchone()[0][:2]
+            version = conn.execute("SHOW server_version").fetchone()[0].split()[0]
 
         stop_immediately(primary)
         standby.pg_ctl("promote", "-w")
@@ -120,8 +123,17 @@ def test_writes_and_claims_work_on_a_standby_promoted_without_a_restartpoint(pri
                 control = "works"
             except psycopg.Error as exc:
                 control = f"{exc.sqlstate}: {exc.diag.message_primary}"
-            print(f"\nPostgreSQL {major}: an UNLOGGED identity column after the promotion: {control}")
-            if major == "15":  # the bug the outbox's logged sequence avoids
+            # The control says what this server does; pgbroker's side below is proved on every version.  The
+            # bug the outbox's logged sequence avoids was seen here on 15.18; 15.20 and 18.6 no longer have it.
+            print(f"\nPostgreSQL {version}: an UNLOGGED identity column after the promotion: {control}")
+            if control == "works":
+                warnings.warn(
+                    f"PostgreSQL {version} brings an UNLOGGED identity sequence through a promotion without a "
+                    "restartpoint intact: it does not have the bug the outbox's LOGGED sequence avoids, so the "
+                    "control shows nothing here",
+                    stacklevel=1,
+                )
+            else:
                 assert control.startswith("XX000: bad magic number in sequence"), control
 
             new_epoch = claim(conn)
