@@ -19,11 +19,12 @@
 --
 -- The sequence of its ids is LOGGED on purpose.  An identity column of an
 -- UNLOGGED table gets an UNLOGGED sequence (PostgreSQL 15 and later), and
--- on PostgreSQL 15 a standby that replayed the sequence's creation and made
--- no restartpoint since is promoted with an all-zero sequence page: every
--- nextval(), so every write to a watched table, then fails with "bad magic
--- number in sequence" (XX000) until a checkpoint and a crash restart (issue
--- 26; tests/faults/test_failover_unlogged.py).  A logged sequence is
+-- on PostgreSQL 15 (seen on 15.18; not on 15.20 nor 18.6) a standby that
+-- replayed the sequence's creation and made no restartpoint since is
+-- promoted with an all-zero sequence page: every nextval(), so every write
+-- to a watched table, then fails with "bad magic number in sequence"
+-- (XX000) until a checkpoint and a crash restart (issue 26;
+-- tests/faults/test_failover_unlogged.py).  A logged sequence is
 -- replicated like any table; it writes WAL once every 32 values, and the
 -- writer's transaction writes WAL for its own change anyway.  A sequence of
 -- its own (not an identity column made LOGGED) keeps its persistence
@@ -303,7 +304,11 @@ BEGIN
     -- that has none yet, and at most every 100 ms (each costs an xid).
     IF v_x IS NULL AND pg_current_xact_id_if_assigned() IS NULL
        AND (v_when IS NULL OR v_when < clock_timestamp() - interval '100 ms') THEN
-        SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO v_s FROM pgbroker.outbox_id_seq;
+        -- The last id handed out, read without a scan of the sequence:
+        -- that scan has no index path, so under the readers' plan pins
+        -- (see outbox_fetch) it would be disabled, and JIT-compiled.
+        -- NULL (never called): 0, which only keeps the floor where it is.
+        v_s := coalesce(pg_sequence_last_value('pgbroker.outbox_id_seq'::regclass), 0);
         v_x := pg_current_xact_id();
         v_when := clock_timestamp();
         v_dirty := true;
@@ -372,6 +377,14 @@ COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
 -- passes as dead, as an index scan does, so the indexes then bloat: in
 -- bench_endurance.py --no-data, outbox_name_epoch_id went from 16 kB to
 -- 2.4 MB in the minute after the ack's plan turned to a sequential scan.
+-- The pins decide speed only, never what a statement returns: the
+-- wake-up handshake holds whatever the plans (tests/test_wakeup.py breaks
+-- it on purpose to show the test sees it).  Every statement these
+-- functions run, their helpers' too, must have an index path: PostgreSQL
+-- 15 to 17 cost a disabled scan at disable_cost (1e10), far past
+-- jit_above_cost, so a statement with none is JIT-compiled at every plan
+-- (a test asserts that no plan of the broker loop is disabled or
+-- compiled).
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
 RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
 LANGUAGE plpgsql
