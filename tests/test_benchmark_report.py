@@ -231,6 +231,19 @@ def test_the_servers_cpu_per_operation_is_shown_beside_the_throughput(report):
     assert endurance.default_out(False, True).name == "endurance_no_data_in_memory.json"
 
 
+def test_the_outbox_indexes_are_shown_after_the_first_minute_at_their_peak_and_at_the_end(report):
+    minutes = _endurance_minutes(3, shrink=True)
+    for m, kb in zip(minutes, (16, 2400, 64), strict=True):
+        m["outbox_index_bytes"] = {"outbox_name_epoch_id": kb * 1024, "outbox_unresolved": 8192}
+    data = {"settings": {"minutes": 3, "names": 1000, "data": False, "writers": 4, "rows": 10_000,
+                         "clients": 1000, "per_client": 10, "churn_per_s": 10},
+            "server": "15.18", "minutes": minutes}  # fmt: skip
+    text = report.endurance_markdown(data, None)
+    assert "| outbox_name_epoch_id | 16 | 2,400 | 64 |" in text and "| outbox_unresolved | 8 | 8 | 8 |" in text
+    data["minutes"] = _endurance_minutes(3, shrink=True)  # a run recorded before the indexes were: no table
+    assert "The outbox's indexes" not in report.endurance_markdown(data, None)
+
+
 def test_with_data_the_growth_is_also_judged_less_the_data_tables():
     endurance = _bench("bench_endurance")
     minutes = _endurance_minutes(30, shrink=True)

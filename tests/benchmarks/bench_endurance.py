@@ -239,6 +239,14 @@ SELECT c.relname, pg_total_relation_size(c.oid), coalesce(s.n_dead_tup, 0)
  ORDER BY 2 DESC"""
 
 
+# The outbox's indexes, apart: a queue table's indexes bloat when its readers stop scanning them (sql/500_outbox.sql).
+OUTBOX_INDEXES_SQL = """
+SELECT c.relname, pg_relation_size(c.oid)
+  FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+ WHERE i.indrelid = 'pgbroker.outbox'::regclass
+ ORDER BY 1"""
+
+
 def _sample(monitor: psycopg.Connection, broker_pid: int, postmaster: int) -> dict[str, Any]:
     tables = {r[0]: {"bytes": r[1], "dead": r[2]} for r in monitor.execute(SIZES_SQL)}
     syncs, sync_ms = monitor.execute(
@@ -248,6 +256,7 @@ def _sample(monitor: psycopg.Connection, broker_pid: int, postmaster: int) -> di
         "pgbroker_bytes": sum(t["bytes"] for t in tables.values()),
         "tables": tables,
         "outbox_backlog": monitor.execute("SELECT count(*) FROM pgbroker.outbox").fetchone()[0],
+        "outbox_index_bytes": dict(monitor.execute(OUTBOX_INDEXES_SQL).fetchall()),
         "wal_bytes": monitor.execute(WAL_BYTES_SQL).fetchone()[0],
         "wal_syncs": syncs,
         "wal_sync_ms": float(sync_ms or 0),

@@ -628,6 +628,13 @@ def endurance_markdown(data: dict[str, Any], plot: Path | None) -> str:
             + f"{sum(u['removed_total'] for u in upkeep.values()):,} / {sum(u['remaining'] for u in upkeep.values()):,}"
             + " |"
         )
+    indexed = [m for m in data["minutes"] if "outbox_index_bytes" in m]
+    if indexed:
+        out += ["", "The outbox's indexes (kB): after minute 1, at their peak, at the end."]
+        out += ["", "| index | minute 1 | peak | end |", "|---|---|---|---|"]
+        for name in indexed[0]["outbox_index_bytes"]:
+            sizes = [m["outbox_index_bytes"].get(name, 0) / 1024 for m in indexed]
+            out.append(f"| {name} | {sizes[0]:,.0f} | {max(sizes):,.0f} | {sizes[-1]:,.0f} |")
     if plot is not None:
         out += ["", f"![{plot.stem}]({plot.name})"]
     return "\n".join(out) + "\n"
