@@ -116,6 +116,7 @@ OPT_IN = ("guarantees",)  # parts run only when named
 class Settings:
     tps_seconds: float = 4.0  # per pgbench run
     tps_rounds: int = 5  # rounds of every design, in rotated order, per writer count (this machine is noisy)
+    writers: tuple[int, ...] = (1, 8)  # pgbench clients of the throughput part; its waits are sampled at the last
     bulk_reps: int = 9  # alternating repetitions; the median of each (this machine is noisy)
     huge_reps: int = 5  # the same for the 100,000-row statement
     latency_rate: float = 50.0  # writes per second (each for pgbroker and the floor)
@@ -714,7 +715,7 @@ def bench_throughput(
 ) -> None:
     print("1. UPDATE throughput, 1,000 rows, 10 subscribers per row, each design with its consumer", flush=True)
     server = pgbench.server
-    for writers in (1, 8):
+    for writers in cfg.writers:
         s = "s" if writers > 1 else ""
         tps: dict[str, list[float]] = {k: [] for k in VARIANTS}
         cpu: dict[str, list[float]] = {k: [] for k in VARIANTS}  # CPU seconds per transaction
@@ -835,14 +836,16 @@ def bench_throughput(
             f" {counts['wakes']:,} wakes, sleeps asleep/pending/busy {counts['asleep']:,}/{counts['pending']:,}"
             f"/{counts['busy']:,}, poll timeouts {counts['timeouts']:,}"
         )
-    # What the writers wait for at 8 writers (one more run of each, sampled: the sampling costs CPU of its own).
-    for variant in ("plain", "statement", "row", "peer_c"):
+    # What the writers wait for at the largest writer count (one more run of each, sampled: the sampling costs CPU
+    # of its own).
+    writers = cfg.writers[-1]
+    for variant in ("plain", "statement", "row", "peer_c", "peer_d"):
         waits: Counter[str] = Counter()
         stop = threading.Event()
         sampler = threading.Thread(target=_sample_waits, args=(url, stop, waits))
         sampler.start()
         try:
-            pgbench.tps(f"waits_{variant}", update_script(TABLES[variant], 1000), 8, cfg.tps_seconds)
+            pgbench.tps(f"waits_{variant}", update_script(TABLES[variant], 1000), writers, cfg.tps_seconds)
         finally:
             stop.set()
             sampler.join(10)
@@ -852,8 +855,8 @@ def bench_throughput(
             wait_drained(conn, broker)
         total = max(sum(waits.values()), 1)
         results.note(
-            f"8 writers, {LABELS[variant]}: what active writer backends were doing (share of {total:,} samples): "
-            + ", ".join(f"{k} {v / total:.1%}" for k, v in waits.most_common(6))
+            f"{writers} writers, {LABELS[variant]}: what active writer backends were doing"
+            f" (share of {total:,} samples): " + ", ".join(f"{k} {v / total:.1%}" for k, v in waits.most_common(6))
         )
 
 
@@ -1544,8 +1547,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--explain", action="store_true", help="also print auto_explain plans of the trigger queries")
     parser.add_argument("--only", action="append", choices=PARTS, default=[],
                         help="run only this part (repeatable; default: all but guarantees)")  # fmt: skip
+    parser.add_argument("--writers", default=None,
+                        help="pgbench clients of the throughput part, comma-separated (default 1,8; waits sampled at"
+                        " the last)")  # fmt: skip
+    parser.add_argument("--tps-rounds", type=int, default=None, help="rounds of every design per writer count")
+    parser.add_argument("--tps-seconds", type=float, default=None, help="seconds per pgbench run")
     args = parser.parse_args(argv)
     cfg = Settings.quick() if args.quick else Settings()
+    if args.writers:
+        cfg.writers = tuple(int(w) for w in args.writers.split(","))
+    if args.tps_rounds:
+        cfg.tps_rounds = args.tps_rounds
+    if args.tps_seconds:
+        cfg.tps_seconds = args.tps_seconds
     cfg.explain = args.explain
     cfg.only = tuple(args.only)
     results = run(cfg)
