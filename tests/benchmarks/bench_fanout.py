@@ -552,6 +552,21 @@ LABELS = {
 }
 
 
+def settle(
+    conn: psycopg.Connection, consumer: Consumer | None, broker: DrainingBroker, results: Results, what: str
+) -> None:
+    """Wait for CONSUMER's queue (None: the broker's outbox) to empty; one that is still behind after the wait is
+    noted and left to catch up (on many cores a consumer can fall hundreds of thousands of changes behind)."""
+    try:
+        if consumer:
+            wait_consumed(conn, consumer)
+        else:
+            wait_drained(conn, broker)
+    except TimeoutError as exc:
+        results.note(f"{what}: the consumer fell behind ({exc})")
+        print(f"   {what}: the consumer fell behind ({exc})", flush=True)
+
+
 def wait_consumed(conn: psycopg.Connection, consumer: Consumer, timeout: float = 30.0) -> None:
     """Wait until a comparison variant's queue is empty."""
     deadline = time.monotonic() + timeout
@@ -742,10 +757,7 @@ def bench_throughput(
                     ).fetchone()[0]
                 ):
                     time.sleep(0.01)
-                if consumer:
-                    wait_consumed(conn, consumer)
-                else:
-                    wait_drained(conn, broker)
+                settle(conn, consumer, broker, results, f"{writers} writer{s} {variant}")
                 time.sleep(0.05)
                 cpu1 = _cpu_now(server, pid)
                 txns = max(value * cfg.tps_seconds, 1)
@@ -849,10 +861,7 @@ def bench_throughput(
         finally:
             stop.set()
             sampler.join(10)
-        if variant in consumers:
-            wait_consumed(conn, consumers[variant])
-        else:
-            wait_drained(conn, broker)
+        settle(conn, consumers.get(variant), broker, results, f"{writers} writers {variant}, sampled")
         total = max(sum(waits.values()), 1)
         results.note(
             f"{writers} writers, {LABELS[variant]}: what active writer backends were doing"
