@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import hashlib
 import importlib.util
 import os
 import re
@@ -629,53 +628,91 @@ def test_revisions_run_frozen_sql_beside_them():
 
 
 # Released revisions never change: a change to the schema is a new revision.
-# Nothing is released yet (no version tag): the schema is one baseline
-# revision generated from sql/ (test below).  At the first release, list the
-# sha256 of every revision file here; from then on they are frozen, and every
-# later change to sql/ comes with a new, hand-written revision.
-RELEASED: dict[str, str] = {}
+# migrations/released.json holds the sha256 of every revision file of every
+# release (migrations/release.py wrote it at the release).
 
 
-def test_released_revisions_are_unchanged():
-    versions = install.versions_path()
-    for name, digest in RELEASED.items():
-        path = versions / name
-        assert path.is_file(), f"released revision file {name} is gone"
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, (
-            f"{name} was released and must not change: write a new revision instead"
-        )
-
-
-def _build_baseline_module():
-    spec = importlib.util.spec_from_file_location("build_baseline", REPO / "migrations" / "build_baseline.py")
+def _module_from(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_baseline_revisions_are_generated_from_sql():
-    """Before the first release the revisions are exactly what migrations/build_baseline.py makes of sql/."""
-    if RELEASED:
-        pytest.skip("released: revisions are frozen and no longer regenerated")
-    build = _build_baseline_module()
-    versions = install.versions_path()
-    wanted = build.revision_files()
-    on_disk = {p.name for p in versions.iterdir() if p.suffix in (".py", ".sql")}
-    assert on_disk == set(wanted), "run: python3 migrations/build_baseline.py"
-    for name, text in wanted.items():
-        assert (versions / name).read_text() == text, (
-            f"{name} differs from sql/: run python3 migrations/build_baseline.py"
-        )
-    assert build.CORE == install.SCHEMA_VERSION
+def _release_module():
+    return _module_from(REPO / "migrations" / "release.py", "pgbroker_release")
 
 
-def test_schema_version_names_the_core_revision(built_dbs):
-    build = _build_baseline_module()
+def _build_baseline_module():
+    return _module_from(REPO / "migrations" / "build_baseline.py", "build_baseline")
+
+
+def test_released_revisions_are_unchanged():
+    release = _release_module()
+    releases = release.load()
+    assert [r["version"] for r in releases][:1] == ["0.1.0"], "0.1.0 is released: migrations/released.json lists it"
+    problems = release.verify(releases, install.versions_path())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checksum_test_fails_on_an_edited_revision(tmp_path):
+    """verify() (what the test above runs) reports one changed byte and a removed file of a released revision."""
+    release = _release_module()
+    releases = release.load()
+    copy = tmp_path / "versions"
+    shutil.copytree(install.versions_path(), copy)
+    assert release.verify(releases, copy) == []
+    target = copy / "0001_baseline.sql"
+    target.write_text(target.read_text().replace("pgbroker", "pgbrokeR", 1))
+    (copy / "0002_initech.py").unlink()
+    problems = release.verify(releases, copy)
+    assert len(problems) == 2, problems
+    assert "0001_baseline.sql was released in 0.1.0 and has changed" in problems[0]
+    assert "0002_initech.py (released in 0.1.0) is gone" in problems[1]
+
+
+def test_build_baseline_refuses_to_rewrite_a_released_revision():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "migrations" / "build_baseline.py")], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "were released and never change" in done.stderr, done.stderr
+    assert release_problems() == []
+
+
+def release_problems() -> list[str]:
+    release = _release_module()
+    return release.verify(release.load(), install.versions_path())
+
+
+def test_each_release_is_a_revision_of_the_chain_and_its_schema_version():
+    """Each release names its head revision, and the revisions up to it leave schema_version() at its version."""
+    release = _release_module()
+    chain = release.chain(install.versions_path())
+    ids = [m.revision for m in chain]
+    for entry in release.load():
+        assert entry["head"] in ids, entry
+        upto = chain[: ids.index(entry["head"]) + 1]
+        assert release.schema_version_at(upto) == entry["schema_version"] == entry["version"]
+    # The newest revisions leave what this package and sql/ say.
+    assert release.schema_version_at(chain) == install.SCHEMA_VERSION == _build_baseline_module().schema_version()
+
+
+def test_each_revision_sets_the_schema_version_it_declares():
+    """A revision whose module says schema_version = X replaces pgbroker.schema_version() to return X."""
+    for path in sorted(install.versions_path().glob("*.py")):
+        module = _module_from(path, f"rev_{path.stem}")
+        declared = getattr(module, "schema_version", "missing")
+        assert declared != "missing", f"{path.name} does not say which schema_version it leaves (None: unchanged)"
+        sql = path.with_suffix(".sql").read_text() if path.with_suffix(".sql").exists() else ""
+        sets = re.findall(r"FUNCTION pgbroker\.schema_version\(\)[^;]*?AS \$\$ SELECT '([^']*)'::text \$\$", sql)
+        assert sets == ([] if declared is None else [declared]), (path.name, declared, sets)
+
+
+def test_schema_version_is_the_packages(built_dbs):
     for url in built_dbs.values():
-        assert _scalar(url, "SELECT pgbroker.schema_version()") == build.CORE
-    chain = [r.revision for r in reversed(list(script_directory().walk_revisions()))]
-    assert chain == [build.CORE, build.INITECH]
+        assert _scalar(url, "SELECT pgbroker.schema_version()") == install.SCHEMA_VERSION
+    assert install.compare_schema(install.SCHEMA_VERSION).state == "same"
 
 
 # ---------------------------------------------------------------------------
