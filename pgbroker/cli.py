@@ -432,7 +432,7 @@ def cli() -> None:
 # Installing.
 
 
-@cli.command()
+@cli.command(short_help="Install or upgrade pgbroker, online (the installing role's rights checked first).")
 @_url_option
 @click.option("--revision", default="heads", show_default=True, help="Target revision.")
 @click.option("--no-initech", is_flag=True, help="Install the core without the reference table initech.objects.")
@@ -450,7 +450,12 @@ def cli() -> None:
     help="Wait at most this long for any lock (writers queued behind it wait no longer); then roll back and retry.",
 )
 @click.option(
-    "--lock-retries", type=click.IntRange(min=0), default=60, show_default=True, help="Retries after a lock_timeout."
+    "--lock-retries",
+    type=click.IntRange(min=0),
+    default=60,
+    show_default=True,
+    metavar="N",
+    help="Retries after a lock_timeout, each after a pause of up to 5 s.",
 )
 @_command
 def migrate(
@@ -981,7 +986,7 @@ def _doctor_findings(url: str) -> list[dict[str, Any]]:
                 )
             )
         else:
-            findings.append(_finding("ok", "schema", "", f"schema version {found.schema_version}, as this package's"))
+            findings.append(_finding("ok", "schema", "", check.message))
 
         roles = {row["rolname"]: row["member"] for row in _rows(conn, ROLES_SQL)}
         absent = sorted({"pgbroker_reader", "pgbroker_broker", "pgbroker_user", "pgbroker_admin"} - set(roles))

@@ -567,6 +567,38 @@ def test_catalog_migrations_equal_sql(built_dbs):
     )
 
 
+def test_the_catalog_comparison_sees_each_kind_of_change(db_url):
+    """What "the same catalog" covers: a change of each kind shows up in the report, named."""
+    before = snapshot(db_url)
+    _execute(
+        db_url,
+        # a function's body, and another's comment and grant
+        "CREATE OR REPLACE FUNCTION pgbroker.schema_version() RETURNS text LANGUAGE sql IMMUTABLE"
+        " SET search_path = pg_catalog, pg_temp AS $$ SELECT '9.9.9'::text $$",
+        "COMMENT ON FUNCTION pgbroker.lock_key(text) IS 'changed'",
+        "GRANT EXECUTE ON FUNCTION pgbroker.lock_key(text) TO pgbroker_reader",
+        # a table's column, its comment, an index, a trigger, a table grant
+        "ALTER TABLE pgbroker.installed ADD COLUMN note text",
+        "COMMENT ON COLUMN pgbroker.installed.object IS 'changed'",
+        "CREATE INDEX installed_at ON pgbroker.installed (installed_at)",
+        "CREATE TRIGGER practice AFTER INSERT ON pgbroker.installed FOR EACH STATEMENT"
+        " EXECUTE FUNCTION suppress_redundant_updates_trigger()",
+        "GRANT SELECT ON pgbroker.installed TO pgbroker_reader",
+    )
+    report = diff_snapshots(before, snapshot(db_url), "before", "after")
+    for says in (
+        "~ function pgbroker.schema_version(): body",
+        "~ function pgbroker.lock_key(name text): comment",
+        "~ function pgbroker.lock_key(name text): acl",
+        "+ column pgbroker.installed.note: only in after",
+        "~ column pgbroker.installed.object: comment",
+        "+ index pgbroker.installed.installed_at: only in after",
+        "+ trigger pgbroker.installed.practice: only in after",
+        "~ relation pgbroker.installed: acl",
+    ):
+        assert says in report, f"{says!r} not in:\n{report}"
+
+
 def test_catalog_roles_and_search_path(built_dbs):
     """Both builds create the roles, make admin a member of the others and append pgbroker to search_path."""
     for kind, url in built_dbs.items():
