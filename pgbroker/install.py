@@ -127,7 +127,8 @@ def compare_schema(installed: str, expected: str = SCHEMA_VERSION, oldest: str =
             "unsupported",
             f"installed pgbroker schema version {installed} is not a release's (a development install from before "
             f"0.1.0?); this package's is {expected}",
-            "pgbroker downgrade, then pgbroker migrate (reinstall: nothing of a pre-release schema is kept)",
+            "DROP SCHEMA pgbroker CASCADE (it takes pgbroker's triggers off your tables too), then pgbroker migrate: "
+            "a pre-release schema is reinstalled, not upgraded",
         )
     if want is not None and have > want:
         return SchemaCheck(

@@ -5,7 +5,9 @@ comment); ``migrations/new_revision.py`` drafts the revision: the functions
 written for it (``schema_version()`` included, at ``0.1.0+3``), the index
 left as a TODO line; the TODO is written by hand, as a developer would; then
 the copy's revisions, from the last release up, build the same catalog as
-the copy's sql/, and the downgrade gives back the release's catalog.
+the copy's sql/, and the downgrade gives back the release's catalog.  The
+copy's package, which now expects 0.1.0+3, then works against the 0.1.0
+schema (a new package before ``pgbroker migrate``), with a warning.
 """
 
 from __future__ import annotations
@@ -35,6 +37,20 @@ AS $$ SELECT count(*) FROM pgbroker.outbox $$;
 COMMENT ON FUNCTION pgbroker.outbox_size() IS 'How many rows the outbox holds.';
 REVOKE ALL ON FUNCTION pgbroker.outbox_size() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION pgbroker.outbox_size() TO pgbroker_reader;
+"""
+
+
+NEW_PACKAGE_BROKER = """
+import sys
+import psycopg
+import pgbroker
+url = sys.argv[1]
+with pgbroker.Broker(url, name="new package") as broker:
+    broker.register("c1")
+    broker.subscribe("c1", "initech.objects", 7)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("INSERT INTO initech.objects (id, name) VALUES (7, 'seven')")
+    print(pgbroker.__file__, broker.schema_version, [(n.op, n.key, n.clients) for n in broker.fetch()], sep="|")
 """
 
 
@@ -104,3 +120,19 @@ def test_a_schema_change_becomes_a_revision(pg_server, tmp_path):
     command.downgrade(cfg, "pgbroker_0002_initech")
     report = diff_snapshots(at_release, snapshot(built), "0.1.0", "downgraded from the new revision")
     assert not report, report
+
+    # The copy's package expects 0.1.0+3: against the 0.1.0 schema (before `pgbroker migrate` in a deploy) its
+    # Broker works, with a warning naming both versions and the command that fixes it.
+    newer_package = subprocess.run(
+        [sys.executable, "-c", NEW_PACKAGE_BROKER, built],
+        cwd=copy,
+        env={**env, "PYTHONPATH": str(copy)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert newer_package.returncode == 0, newer_package.stdout + newer_package.stderr
+    said = newer_package.stdout.strip().split("|")
+    assert said == [str(copy / "pgbroker" / "__init__.py"), "0.1.0", "[('I', 7, ['c1'])]"], said
+    says = "installed pgbroker schema version 0.1.0 is older than this package's 0.1.0+3: run pgbroker migrate"
+    assert says in newer_package.stderr, newer_package.stderr

@@ -350,6 +350,11 @@ def test_this_package_against_a_newer_schema_works_with_a_warning(pg_server, emp
         assert mismatch.value.installed == PRACTICE_VERSION and mismatch.value.expected == install.SCHEMA_VERSION
         assert PRACTICE_VERSION in str(mismatch.value) and install.SCHEMA_VERSION in str(mismatch.value)
         assert "pip install -U pgbroker" in str(mismatch.value) and mismatch.value.sqlstate == "42883"
+    # The same for the primitives, on a connection outside a transaction of the caller's.
+    _execute(url, "DROP FUNCTION pgbroker.counter_get(text)")
+    with psycopg.connect(url, autocommit=True) as conn, pytest.raises(SchemaMismatch) as mismatch:
+        pgbroker.Counter(conn, "visits").get()
+    assert mismatch.value.installed == PRACTICE_VERSION and "pip install -U pgbroker" in str(mismatch.value)
     # pgbroker migrate with this package leaves a newer schema alone, saying so.
     refused = pgbroker_cli("migrate", "--url", url)
     assert refused.returncode == 1 and "newer than this package's" in refused.stderr, refused.stderr
@@ -388,7 +393,7 @@ def test_this_package_against_a_schema_it_does_not_support_is_schema_mismatch(db
     assert mismatch.value.installed == installed and mismatch.value.expected == install.SCHEMA_VERSION
     doctor = pgbroker_cli("doctor", "--url", db_url)
     assert doctor.returncode == 3 and says in doctor.stdout, doctor.stdout
-    fix = "pgbroker migrate" if installed == "0.0.9" else "pgbroker downgrade, then pgbroker migrate"
+    fix = "run: pgbroker migrate" if installed == "0.0.9" else "run: DROP SCHEMA pgbroker CASCADE"
     assert fix in doctor.stdout
 
 
