@@ -1,6 +1,7 @@
 """Draft the next alembic revision from what sql/ changed since the newest revision.
 
     python3 migrations/new_revision.py "filtered subscriptions"
+    python3 migrations/new_revision.py "release 0.2.0" --schema-version 0.2.0   # before release.py 0.2.0
 
 sql/ is the truth; a revision brings a database built by the revisions so
 far to what sql/ builds.  This script, run from a checkout with the ``test``
@@ -160,6 +161,9 @@ def _set_schema_version(version: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    release_version = None
+    if len(argv) == 3 and argv[1] == "--schema-version":
+        argv, release_version = argv[:1], argv[2]
     if len(argv) != 1 or argv[0].startswith("-"):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
@@ -180,7 +184,7 @@ def main(argv: list[str]) -> int:
     number = len(chain) + 1
     stem = f"{number:04d}_{_slug(message)}"
     revision = f"pgbroker_{stem}"
-    version = f"{releases[-1]['version']}+{number}"
+    version = release_version or f"{releases[-1]['version']}+{number}"
     _set_schema_version(version)
 
     with EmbeddedPostgres() as server:

@@ -563,7 +563,8 @@ def test_catalog_migrations_equal_sql(built_dbs):
     assert not report, (
         "a database built by the migrations differs from one built from sql/:\n"
         + report
-        + "\n(sql/ holds the current definitions: add a revision that brings the migrations there, or fix sql/)"
+        + "\n(sql/ holds the current definitions: add a revision that brings the migrations there, drafted by "
+        + 'python3 migrations/new_revision.py "what changed" (migrations/README.md, "Revisions"), or fix sql/)'
     )
 
 
