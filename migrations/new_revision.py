@@ -190,9 +190,11 @@ def main(argv: list[str]) -> int:
     with EmbeddedPostgres() as server:
         urls = {}
         for name in ("head", "target"):
+            # Names no comment contains: the catalog comparison writes a database's name as <database>.
+            dbname = f"pgbroker_new_revision_{name}_db"
             with psycopg.connect(server.url, autocommit=True) as conn:
-                conn.execute(f"CREATE DATABASE {name}")
-            urls[name] = server.url_for(name)
+                conn.execute(f"CREATE DATABASE {dbname}")
+            urls[name] = server.url_for(dbname)
         install.migrate(urls["head"], initech=True)
         test_migrations.load_sql(urls["target"])
         head, target = _functions(urls["head"]), _functions(urls["target"])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psycopg
 from alembic import command
-from test_migrations import _module_from, diff_snapshots, snapshot
+from test_migrations import _module_from, diff_snapshots, schema_version_problems, snapshot
 
 from pgbroker import install
 
@@ -87,10 +87,12 @@ def test_a_schema_change_becomes_a_revision(pg_server, tmp_path):
     assert "CREATE OR REPLACE FUNCTION pgbroker.outbox_size()" in upgrade
     assert "GRANT EXECUTE ON FUNCTION pgbroker.outbox_size() TO pgbroker_reader;" in upgrade
     assert "SELECT '0.1.0+3'::text" in upgrade  # schema_version(), rewritten in sql/000 and install.py too
+    assert not [line for line in upgrade.splitlines() if "<database>" in line], upgrade
     assert 'SCHEMA_VERSION = "0.1.0+3"' in (copy / "pgbroker" / "install.py").read_text()
     todo = [line for line in upgrade.splitlines() if line.startswith("-- TODO")]
     assert any("outbox_watch_id: only in sql/" in line for line in todo), upgrade
     assert "DROP FUNCTION pgbroker.outbox_size();" in (versions / f"{stem}.downgrade.sql").read_text()
+    assert schema_version_problems(versions) == []
     module = _module_from(versions / f"{stem}.py", "drafted_revision")
     assert (module.revision, module.down_revision, module.schema_version) == (
         "pgbroker_0003_outbox_size",
