@@ -161,10 +161,10 @@ class Broker(_BrokerBase):
     def claim(self) -> int:
         """Connect, claim the lease and start heartbeats; return the epoch.
 
-        First checks that the database has the schema version this package
-        installs (:class:`SchemaMissing`, :class:`SchemaMismatch`: run
-        ``pgbroker migrate``).  Raises :class:`LeaseHeld` (the holder in its
-        attributes and ``detail``), :class:`PermissionDenied`,
+        First reads the installed schema version (:class:`SchemaMissing`: run ``pgbroker migrate``): one this
+        package does not work with is :class:`SchemaMismatch`; an older or newer one it works with is logged as a
+        warning naming both versions and the command that fixes it (``install.compare_schema``).
+        Raises :class:`LeaseHeld` (the holder in its attributes and ``detail``), :class:`PermissionDenied`,
         :class:`InvalidArgument`, or :class:`DatabaseError` for connection problems (the server unreachable, a
         replica: SQLSTATE 25006; the psycopg error as ``__cause__``).
         """
