@@ -23,15 +23,20 @@
   practice revision's) works, with a warning, and a function it calls that
   a newer schema dropped is SchemaMismatch naming both versions, never 42883;
   against an older schema it does not support, SchemaMismatch at claim();
-  doctor says so with the command that fixes it.
+  doctor and the console's health page say so, with the command that fixes
+  it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psycopg
@@ -42,6 +47,7 @@ from test_migrations import _module_from, diff_snapshots, snapshot
 
 import pgbroker
 from pgbroker import install
+from pgbroker._embedded import free_port
 from pgbroker.errors import SchemaMismatch
 from tests.lease_util import wait_until
 
@@ -395,6 +401,39 @@ def test_this_package_against_a_schema_it_does_not_support_is_schema_mismatch(db
     assert doctor.returncode == 3 and says in doctor.stdout, doctor.stdout
     fix = "run: pgbroker migrate" if installed == "0.0.9" else "run: DROP SCHEMA pgbroker CASCADE"
     assert fix in doctor.stdout
+
+
+def test_the_consoles_health_page_names_both_versions(db_url, pg_server, tmp_path):
+    for module in ("starlette", "uvicorn", "psycopg_pool"):
+        pytest.importorskip(module, reason="the console's extra (pip install -e '.[test]')")
+    _pretend_schema(db_url, "0.0.9")
+    port = free_port()
+    log = (tmp_path / "console.log").open("w")
+    url = db_url.replace("postgres@", "t_reader@", 1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pgbroker.cli", "console", "--url", url, "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    try:
+
+        def health() -> dict | None:
+            assert proc.poll() is None, (tmp_path / "console.log").read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=10) as response:
+                    return json.loads(response.read())
+            except OSError:
+                return None
+
+        rows = wait_until(health, timeout=60, what="the console's health page")["rows"]
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    schema = next(r for r in rows if r["check"] == "schema")
+    assert schema["ok"] is False
+    assert "schema version 0.0.9 is older than this package's 0.1.0" in schema["detail"]
+    assert schema["fix"].startswith("run: pgbroker migrate")
 
 
 def test_compare_schema_older_and_newer():
