@@ -116,10 +116,10 @@ ACK_SQL = "SELECT pgbroker.outbox_ack(%(name)s, %(ids)s)"
 # rows while it waits on ones the broker holds (an operator's transaction that
 # locks or deletes outbox rows): rare, and over once one side gives way.
 CONFLICT_SQLSTATES = frozenset({"40P01", "40001"})
+CONFLICT_RETRIES = 3
 # undefined_function: a pgbroker function this package calls is missing, or has another signature, in the
 # installed schema (its version is then not this package's: SchemaMismatch), or the caller's types are wrong.
 UNDEFINED_FUNCTION = "42883"
-CONFLICT_RETRIES = 3
 WAKE_SQL = "SELECT pgbroker.broker_wake(%(name)s)"
 SLEEP_SQL = "SELECT pgbroker.broker_sleep(%(name)s)"
 CHANNEL_SQL = "SELECT pgbroker.wakeup_channel(%(name)s)"
