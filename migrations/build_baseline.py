@@ -1,12 +1,12 @@
 """Generate the baseline alembic revisions from sql/.
 
-    python3 migrations/build_baseline.py           # write migrations/versions/
-    python3 migrations/build_baseline.py --check   # exit 1 if they differ from sql/
+    python3 migrations/release.py 0.1.0            # the release: runs this, then records checksums
 
-Until pgbroker's first release (a version tag) its schema is one baseline
-revision, generated here from ``sql/``; ``tests/test_migrations.py`` fails
-when the committed revisions differ from what this script writes, and proves
-that ``alembic upgrade head`` builds the same catalog as loading ``sql/``.
+Until pgbroker's first release its schema was one baseline revision,
+generated here from ``sql/``.  0.1.0 froze them: once
+``migrations/released.json`` lists their files this script refuses to write
+them (``migrations/release.py`` re-freezes 0.1.0 with ``--release`` until the
+tag ``v0.1.0`` exists).
 
 * ``pgbroker_0001_baseline``: every file of ``sql/`` except the reference
   table, in name order.  Its downgrade removes what the upgrade created and
@@ -17,13 +17,13 @@ that ``alembic upgrade head`` builds the same catalog as loading ``sql/``.
 * ``pgbroker_0002_initech``: ``sql/950_initech.sql``, the optional
   reference table ``initech.objects`` (skipped with ``-x initech=no``).
 
-After the first release, released revisions never change: every later
-change to ``sql/`` comes with a new, hand-written revision (see
+Every later change to ``sql/`` comes with a new revision (see
 migrations/README.md, "Revisions").
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -44,7 +44,8 @@ Revision ID: {revision}
 Revises: {down_revision}
 
 Generated from sql/ by migrations/build_baseline.py; the SQL it runs lives
-beside it ({stem}.sql, {stem}.downgrade.sql).  Once released, it never changes.
+beside it ({stem}.sql, {stem}.downgrade.sql).  Released in 0.1.0: it never
+changes again (migrations/released.json holds its checksums).
 """
 
 {imports}
@@ -52,6 +53,8 @@ revision = {revision}
 down_revision = {down_revision}
 branch_labels = {branch_labels}
 depends_on = None
+# What pgbroker.schema_version() returns once this revision ran (None: it does not change it).
+schema_version = {schema_version}
 
 {body}'''
 
@@ -158,6 +161,25 @@ _COMMENT = re.compile(
 )
 
 
+_SCHEMA_VERSION = re.compile(r"FUNCTION pgbroker\.schema_version\(\)[^;]*?AS \$\$ SELECT '([^']*)'::text \$\$;")
+
+
+def schema_version() -> str:
+    """What sql/000_schema.sql's pgbroker.schema_version() returns."""
+    m = _SCHEMA_VERSION.search((SQL / "000_schema.sql").read_text())
+    if m is None:
+        raise SystemExit("sql/000_schema.sql: cannot find what pgbroker.schema_version() returns")
+    return m.group(1)
+
+
+def released_files() -> set[str]:
+    """The revision files a release froze (migrations/released.json): never written again."""
+    path = Path(__file__).resolve().parent / "released.json"
+    if not path.exists():
+        return set()
+    return {name for release in json.loads(path.read_text())["releases"] for name in release["files"]}
+
+
 def core_files() -> list[Path]:
     return [p for p in sorted(SQL.glob("*.sql")) if p.name != INITECH_FILE]
 
@@ -199,6 +221,7 @@ def revision_files() -> dict[str, str]:
         down_revision=_py(None),
         branch_labels=_py(("pgbroker",)),
         stem="0001_baseline",
+        schema_version=_py(schema_version()),
         imports="from pgbroker.install import run_revision_sql\n",
         body=CORE_BODY,
     )
@@ -208,6 +231,7 @@ def revision_files() -> dict[str, str]:
         down_revision=_py(CORE),
         branch_labels=_py(None),
         stem="0002_initech",
+        schema_version=_py(None),
         imports="from alembic import context\n\nfrom pgbroker.install import run_revision_sql\n",
         body=INITECH_BODY,
     )
@@ -224,6 +248,15 @@ def revision_files() -> dict[str, str]:
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     wanted = revision_files()
+    frozen = sorted(released_files() & set(wanted))
+    if frozen and "--release" not in argv:
+        # Only migrations/release.py, re-freezing the first release before its tag, passes --release.
+        print(
+            f"migrations/versions/{frozen[0]} (and {len(frozen) - 1} more) were released and never change: "
+            'make a new revision instead (migrations/README.md, "Revisions")',
+            file=sys.stderr,
+        )
+        return 1
     present = {p.name for p in VERSIONS.iterdir() if p.is_file() and p.suffix in (".py", ".sql")}
     stale = sorted(present - set(wanted))
     differ = sorted(

@@ -62,6 +62,7 @@ from pgbroker._core import (
     SWEEP_BATCH,
     SWEEP_SQL,
     TABLE_KEY_SQL,
+    UNDEFINED_FUNCTION,
     UNREGISTER_SQL,
     UNSUBSCRIBE_SQL,
     WAKE_SQL,
@@ -173,10 +174,10 @@ class AsyncBroker(_BrokerBase):
     async def claim(self) -> int:
         """Connect, claim the lease and start heartbeats; return the epoch.
 
-        First checks that the database has the schema version this package
-        installs (:class:`SchemaMissing`, :class:`SchemaMismatch`: run
-        ``pgbroker migrate``).  Raises :class:`LeaseHeld` (the holder in its
-        attributes and ``detail``), :class:`PermissionDenied`,
+        First reads the installed schema version (:class:`SchemaMissing`: run ``pgbroker migrate``): one this
+        package does not work with is :class:`SchemaMismatch`; an older or newer one it works with is logged as a
+        warning naming both versions and the command that fixes it (``install.compare_schema``).
+        Raises :class:`LeaseHeld` (the holder in its attributes and ``detail``), :class:`PermissionDenied`,
         :class:`InvalidArgument`, or :class:`DatabaseError` for connection problems (the server unreachable, a
         replica: SQLSTATE 25006; the psycopg error as ``__cause__``).
         """
@@ -200,7 +201,12 @@ class AsyncBroker(_BrokerBase):
             await conn.execute(SESSION_SQL, self._session_params())
             if self.dead_man is not None:
                 await conn.execute(DEAD_MAN_SQL, {"ms": str(_ms(self.dead_man))})
-            cur = await conn.execute(CLAIM_SQL, self._claim_params())
+            try:
+                cur = await conn.execute(CLAIM_SQL, self._claim_params())
+            except psycopg.Error as exc:
+                if exc.sqlstate != UNDEFINED_FUNCTION:
+                    raise
+                raise await self._schema_now(conn, exc) from exc
             row = await cur.fetchone()
             assert row is not None
             sent = time.monotonic()
@@ -564,6 +570,8 @@ class AsyncBroker(_BrokerBase):
             reuse = True
         except psycopg.Error as exc:
             reuse = not conn.broken
+            if exc.sqlstate == UNDEFINED_FUNCTION and reuse:
+                raise await self._schema_now(conn, exc) from exc
             error = self._classify_registry(exc)
             if isinstance(error, LeaseLost):
                 await self._fire_on_lost()
@@ -732,9 +740,20 @@ class AsyncBroker(_BrokerBase):
                 await cur.execute(query, params)
                 return await cur.fetchall() if cur.description is not None else []
         except psycopg.Error as exc:
+            if exc.sqlstate == UNDEFINED_FUNCTION and not conn.closed:
+                return await self._schema_now(conn, exc)
             return self._classify(conn, exc)
         finally:
             self._ops += 1
+
+    async def _schema_now(self, conn: psycopg.AsyncConnection[Any], exc: psycopg.Error) -> Exception:
+        """A 42883 from a pgbroker call: :class:`SchemaMismatch` when the schema's version is not this package's."""
+        try:
+            cur = await conn.execute(SCHEMA_VERSION_SQL)
+            row = await cur.fetchone()
+        except psycopg.Error:
+            return self._classify(conn, exc)
+        return self._missing_function(conn.info.dbname, exc, row)
 
     async def _fire_on_lost(self) -> None:
         callback = self._take_on_lost()

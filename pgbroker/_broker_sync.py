@@ -49,6 +49,7 @@ from pgbroker._core import (
     SWEEP_BATCH,
     SWEEP_SQL,
     TABLE_KEY_SQL,
+    UNDEFINED_FUNCTION,
     UNREGISTER_SQL,
     UNSUBSCRIBE_SQL,
     WAKE_SQL,
@@ -160,10 +161,10 @@ class Broker(_BrokerBase):
     def claim(self) -> int:
         """Connect, claim the lease and start heartbeats; return the epoch.
 
-        First checks that the database has the schema version this package
-        installs (:class:`SchemaMissing`, :class:`SchemaMismatch`: run
-        ``pgbroker migrate``).  Raises :class:`LeaseHeld` (the holder in its
-        attributes and ``detail``), :class:`PermissionDenied`,
+        First reads the installed schema version (:class:`SchemaMissing`: run ``pgbroker migrate``): one this
+        package does not work with is :class:`SchemaMismatch`; an older or newer one it works with is logged as a
+        warning naming both versions and the command that fixes it (``install.compare_schema``).
+        Raises :class:`LeaseHeld` (the holder in its attributes and ``detail``), :class:`PermissionDenied`,
         :class:`InvalidArgument`, or :class:`DatabaseError` for connection problems (the server unreachable, a
         replica: SQLSTATE 25006; the psycopg error as ``__cause__``).
         """
@@ -187,7 +188,12 @@ class Broker(_BrokerBase):
             conn.execute(SESSION_SQL, self._session_params())
             if self.dead_man is not None:
                 conn.execute(DEAD_MAN_SQL, {"ms": str(_ms(self.dead_man))})
-            cur = conn.execute(CLAIM_SQL, self._claim_params())
+            try:
+                cur = conn.execute(CLAIM_SQL, self._claim_params())
+            except psycopg.Error as exc:
+                if exc.sqlstate != UNDEFINED_FUNCTION:
+                    raise
+                raise self._schema_now(conn, exc) from exc
             row = cur.fetchone()
             assert row is not None
             sent = time.monotonic()
@@ -551,6 +557,8 @@ class Broker(_BrokerBase):
             reuse = True
         except psycopg.Error as exc:
             reuse = not conn.broken
+            if exc.sqlstate == UNDEFINED_FUNCTION and reuse:
+                raise self._schema_now(conn, exc) from exc
             error = self._classify_registry(exc)
             if isinstance(error, LeaseLost):
                 self._fire_on_lost()
@@ -716,9 +724,20 @@ class Broker(_BrokerBase):
                 cur.execute(query, params)
                 return cur.fetchall() if cur.description is not None else []
         except psycopg.Error as exc:
+            if exc.sqlstate == UNDEFINED_FUNCTION and not conn.closed:
+                return self._schema_now(conn, exc)
             return self._classify(conn, exc)
         finally:
             self._ops += 1
+
+    def _schema_now(self, conn: psycopg.Connection[Any], exc: psycopg.Error) -> Exception:
+        """A 42883 from a pgbroker call: :class:`SchemaMismatch` when the schema's version is not this package's."""
+        try:
+            cur = conn.execute(SCHEMA_VERSION_SQL)
+            row = cur.fetchone()
+        except psycopg.Error:
+            return self._classify(conn, exc)
+        return self._missing_function(conn.info.dbname, exc, row)
 
     def _fire_on_lost(self) -> None:
         callback = self._take_on_lost()

@@ -37,7 +37,7 @@ from pgbroker.errors import (
     schema_mismatch,
     translate,
 )
-from pgbroker.install import SCHEMA_VERSION, libpq_url
+from pgbroker.install import SCHEMA_VERSION, compare_schema, libpq_url
 
 log = logging.getLogger("pgbroker.broker")
 
@@ -117,6 +117,9 @@ ACK_SQL = "SELECT pgbroker.outbox_ack(%(name)s, %(ids)s)"
 # locks or deletes outbox rows): rare, and over once one side gives way.
 CONFLICT_SQLSTATES = frozenset({"40P01", "40001"})
 CONFLICT_RETRIES = 3
+# undefined_function: a pgbroker function this package calls is missing, or has another signature, in the
+# installed schema (its version is then not this package's: SchemaMismatch), or the caller's types are wrong.
+UNDEFINED_FUNCTION = "42883"
 WAKE_SQL = "SELECT pgbroker.broker_wake(%(name)s)"
 SLEEP_SQL = "SELECT pgbroker.broker_sleep(%(name)s)"
 CHANNEL_SQL = "SELECT pgbroker.wakeup_channel(%(name)s)"
@@ -482,6 +485,8 @@ class _BrokerBase(abc.ABC):
                 f"{self.heartbeat_interval:g}, guard={self.guard:g}"
             )
 
+        # The installed schema's version, read by claim() (install.compare_schema says how it stands).
+        self.schema_version: str | None = None
         self._epoch: int | None = None
         self._pid: int | None = None
         self._state = "new"  # new -> held -> released | lost | closed
@@ -628,10 +633,27 @@ class _BrokerBase(abc.ABC):
         )
 
     def _check_schema(self, database: str, row: Any) -> None:
-        """Raise :class:`SchemaMismatch` unless ``row`` (of ``SCHEMA_VERSION_SQL``) is what this package installs."""
+        """Raise :class:`SchemaMismatch` unless this package works with ``row`` (of ``SCHEMA_VERSION_SQL``).
+
+        A schema older or newer than this package's that it works with (``install.compare_schema``) is logged
+        as a warning naming both versions and the command that fixes it; ``schema_version`` keeps it.
+        """
+        self.schema_version = row[0]
         error = schema_mismatch(database, row[0], SCHEMA_VERSION)
         if error is not None:
             raise error
+        check = compare_schema(row[0])
+        if check.state != "same":
+            log.warning('%r: database "%s": %s: run %s', self, database, check.message, check.fix)
+
+    def _missing_function(self, database: str, exc: psycopg.Error, row: Any) -> Exception:
+        """The exception for a 42883 from a pgbroker call, ``row`` being ``SCHEMA_VERSION_SQL``'s result now.
+
+        :class:`SchemaMismatch` naming both versions when the installed schema is not this package's (upgraded or
+        downgraded since the claim, or a newer one that dropped what this package calls); otherwise the
+        caller's 42883 (:class:`DatabaseError`).
+        """
+        return schema_mismatch(database, row[0], SCHEMA_VERSION, exc) or translate(exc)
 
     def _mark_lost(self, why: str, sqlstate: str | None, cause: BaseException | None) -> LeaseLost:
         """Record the loss (the first one wins) and return it."""

@@ -32,7 +32,14 @@ from psycopg import pq
 from psycopg.abc import Query
 from psycopg.types.json import Jsonb
 
-from pgbroker._core import BACKEND_PID_SQL, _interval, _raise_translated, pooler_verdict
+from pgbroker._core import (
+    BACKEND_PID_SQL,
+    SCHEMA_VERSION_SQL,
+    UNDEFINED_FUNCTION,
+    _interval,
+    _raise_translated,
+    pooler_verdict,
+)
 from pgbroker._primitives_core import (
     _VERDICTS,
     COUNTER_ADD_SQL,
@@ -66,7 +73,8 @@ from pgbroker._primitives_core import (
     seconds,
     wait_param,
 )
-from pgbroker.errors import NotAcquired, PgBrokerError, PoolerNotSupported
+from pgbroker.errors import NotAcquired, PgBrokerError, PoolerNotSupported, schema_mismatch, translate
+from pgbroker.install import SCHEMA_VERSION
 
 __all__ = ["AsyncCounter", "AsyncKV", "AsyncLock", "AsyncRateLimiter", "AsyncSemaphore", "async_lock"]
 
@@ -93,7 +101,19 @@ async def _rows(conn: psycopg.AsyncConnection[Any], query: Query, params: Any = 
             cur = await conn.execute(query, params)
             return await cur.fetchall() if cur.description is not None else []
     except psycopg.Error as exc:
+        if exc.sqlstate == UNDEFINED_FUNCTION and not conn.closed and not _in_transaction(conn):
+            _raise_translated(exc, await _schema_now(conn, exc))
         _raise_translated(exc)
+
+
+async def _schema_now(conn: psycopg.AsyncConnection[Any], exc: psycopg.Error) -> Exception:
+    """A 42883 outside a transaction of the caller's: :class:`SchemaMismatch` when the schema is of another version."""
+    try:
+        cur = await conn.execute(SCHEMA_VERSION_SQL)
+        row = await cur.fetchone()
+    except psycopg.Error:
+        return translate(exc)
+    return schema_mismatch(conn.info.dbname, row[0], SCHEMA_VERSION, exc) or translate(exc)
 
 
 def _listen_sql(verb: str, channel: str) -> psycopg.sql.Composed:

@@ -432,7 +432,7 @@ def cli() -> None:
 # Installing.
 
 
-@cli.command()
+@cli.command(short_help="Install or upgrade pgbroker, online (the installing role's rights checked first).")
 @_url_option
 @click.option("--revision", default="heads", show_default=True, help="Target revision.")
 @click.option("--no-initech", is_flag=True, help="Install the core without the reference table initech.objects.")
@@ -441,9 +441,27 @@ def cli() -> None:
     is_flag=True,
     help="Only check the installing role's rights: one line per missing right; exit 1 when a required one is missing.",
 )
+@click.option(
+    "--lock-timeout",
+    type=click.FloatRange(min=0.01),
+    default=0.5,
+    show_default=True,
+    metavar="SECONDS",
+    help="Wait at most this long for any lock (writers queued behind it wait no longer); then roll back and retry.",
+)
+@click.option(
+    "--lock-retries",
+    type=click.IntRange(min=0),
+    default=60,
+    show_default=True,
+    metavar="N",
+    help="Retries after a lock_timeout, each after a pause of up to 5 s.",
+)
 @_command
-def migrate(url: str | None, revision: str, no_initech: bool, check: bool) -> int:
-    """Install or upgrade pgbroker (first checking the installing role's rights)."""
+def migrate(
+    url: str | None, revision: str, no_initech: bool, check: bool, lock_timeout: float, lock_retries: int
+) -> int:
+    """Install or upgrade pgbroker (first checking the installing role's rights), online: see migrations/README.md."""
     from pgbroker import install
 
     url = _require_url(url)
@@ -464,7 +482,12 @@ def migrate(url: str | None, revision: str, no_initech: bool, check: bool) -> in
         )
         return EXIT_OK
     done = install.migrate(
-        url, revision, initech=not no_initech, report=lambda right: click.echo(f"pgbroker: {right.line()}", err=True)
+        url,
+        revision,
+        initech=not no_initech,
+        report=lambda right: click.echo(f"pgbroker: {right.line()}", err=True),
+        lock_timeout=lock_timeout,
+        lock_retries=lock_retries,
     )
     where = install.describe(url)
     if done.elsewhere:
@@ -536,12 +559,11 @@ def _status_once(url: str, out: Output, as_json: bool) -> int:
         found, readable = _read_installation(conn)
     if not found.installed:
         raise _Failed("pgbroker is not installed here (run: pgbroker migrate)")
-    if not readable:
-        fresh = found.schema_version == install.SCHEMA_VERSION
-        freshness = "up to date" if fresh else f"this package's is {install.SCHEMA_VERSION}: run pgbroker migrate"
-    elif found.elsewhere:
-        fresh = found.schema_version == install.SCHEMA_VERSION
-        freshness = "up to date" if fresh else f"this package's is {install.SCHEMA_VERSION}: run alembic upgrade heads"
+    check = install.compare_schema(found.schema_version)
+    if not readable or found.elsewhere:
+        fresh = check.state == "same"
+        fix = "alembic upgrade heads" if found.elsewhere and check.state != "newer" else check.fix
+        freshness = "up to date" if fresh else f"{check.message}: run {fix}"
     else:
         heads = _heads()
         fresh = set(found.revisions) == set(heads)
@@ -575,7 +597,10 @@ def _status_once(url: str, out: Output, as_json: bool) -> int:
         )
     else:
         out.line(f"revision: {', '.join(found.revisions)} ({freshness})", style=None if fresh else "yellow")
-        out.line(f"schema version: {found.schema_version}")
+        if check.state == "same":
+            out.line(f"schema version: {found.schema_version}")
+        else:
+            out.line(f"schema version: {found.schema_version} ({check.message}: run {check.fix})", style="yellow")
     if not leases:
         out.line("no lease has been claimed yet")
         return EXIT_OK
@@ -947,16 +972,9 @@ def _doctor_findings(url: str) -> list[dict[str, Any]]:
         found, _ = _read_installation(conn)
         if not found.installed:
             return [_finding("FAIL", "schema", "", "pgbroker is not installed", "run: pgbroker migrate")]
-        if found.schema_version != install.SCHEMA_VERSION:
-            findings.append(
-                _finding(
-                    "FAIL",
-                    "schema",
-                    "",
-                    f"installed schema version {found.schema_version}, this package's is {install.SCHEMA_VERSION}",
-                    "run: pgbroker migrate (or alembic upgrade heads where your application's alembic installed it)",
-                )
-            )
+        check = install.compare_schema(found.schema_version)
+        if check.state != "same":
+            findings.append(_finding("FAIL", "schema", "", check.message, f"run: {check.fix}"))
         elif found.revisions and set(found.revisions) != set(_heads()):
             findings.append(
                 _finding(
@@ -968,7 +986,7 @@ def _doctor_findings(url: str) -> list[dict[str, Any]]:
                 )
             )
         else:
-            findings.append(_finding("ok", "schema", "", f"schema version {found.schema_version}, as this package's"))
+            findings.append(_finding("ok", "schema", "", check.message))
 
         roles = {row["rolname"]: row["member"] for row in _rows(conn, ROLES_SQL)}
         absent = sorted({"pgbroker_reader", "pgbroker_broker", "pgbroker_user", "pgbroker_admin"} - set(roles))

@@ -209,7 +209,15 @@ class SchemaMissing(PgBrokerError):
 
 
 class SchemaMismatch(SchemaMissing):
-    """The installed schema is not the version this package expects: run ``pgbroker migrate``."""
+    """The installed schema is a version this package does not work with, or lacks a function this package calls
+    because its version differs from this package's (a raw 42883 never leaves the Broker for that).
+
+    ``installed`` and ``expected``: the two schema versions (the message names both, and the command that fixes
+    it).  No SQLSTATE of its own (``sqlstate`` is 42883 when a missing function revealed it).
+    """
+
+    installed: str | None = None
+    expected: str | None = None
 
 
 class DatabaseError(PgBrokerError):
@@ -282,14 +290,31 @@ def schema_error(exc: psycopg.Error, database: str) -> Exception:
     return new
 
 
-def schema_mismatch(database: str, installed: str, expected: str | None) -> SchemaMismatch | None:
-    """The error when ``database`` has schema version ``installed`` and this package expects ``expected``."""
+def schema_mismatch(
+    database: str, installed: str, expected: str | None, cause: psycopg.Error | None = None
+) -> SchemaMismatch | None:
+    """The error when ``database`` has schema version ``installed`` and this package expects ``expected``.
+
+    Without ``cause`` (the start-up check): None when this package works with that version
+    (``pgbroker.install.compare_schema``).  With ``cause`` (a 42883 from a pgbroker call): None when the versions
+    are equal (then the 42883 is the caller's: a misspelt name or mistyped argument).
+    """
+    from pgbroker.install import compare_schema
+
     if expected is None or installed == expected:
         return None
-    return SchemaMismatch(
-        f'database "{database}" has pgbroker schema version {installed}, this package expects {expected}: '
-        "run `pgbroker migrate` (or `alembic upgrade head`) with this package"
-    )
+    check = compare_schema(installed, expected)
+    if cause is None and check.usable:
+        return None
+    if cause is not None:
+        why = (cause.diag.message_primary or str(cause)).strip()
+        message = f'database "{database}": {why}: {check.message}: run {check.fix}'
+    else:
+        message = f'database "{database}": {check.message}: run {check.fix}'
+    error = SchemaMismatch(message, sqlstate=getattr(cause, "sqlstate", None))
+    error.installed, error.expected = installed, expected
+    error.__cause__ = cause
+    return error
 
 
 def _json_object(detail: str | None) -> dict[str, Any]:

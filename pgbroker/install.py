@@ -9,11 +9,13 @@ Two ways in, and both are recognised here:
   ``version_locations`` records them in the application's version table.
 
 Either way the schema knows its own version: ``pgbroker.schema_version()``
-returns the revision id of the installed core (:func:`installed_version`).
+returns the release of the installed schema, ``0.1.0`` (:func:`installed_version`);
+:func:`compare_schema` says how it stands against this package's.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,14 +32,34 @@ if TYPE_CHECKING:
 VERSION_TABLE = "alembic_version"
 VERSION_TABLE_SCHEMA = "pgbroker"
 BRANCH_LABEL = "pgbroker"
-# The revision that installs the core schema, as this package knows it; what
-# pgbroker.schema_version() returns once this package's migrations have run.
-SCHEMA_VERSION = "pgbroker_0001_baseline"
+# What pgbroker.schema_version() returns once this package's migrations have
+# run: the release that froze the schema ("0.1.0"), or, for a revision made
+# since and not yet released, that release and the revision's number
+# ("0.1.0+3").  sql/000_schema.sql says the same (a test keeps them equal).
+SCHEMA_VERSION = "0.1.0"
+# The oldest installed schema this package's Broker works against (before
+# `pgbroker migrate` in a deploy); an older one is SchemaMismatch.
+OLDEST_SCHEMA = "0.1.0"
+# The revision that installs the core schema: the one to name in an
+# application revision's depends_on (migrations/README.md).
+CORE_REVISION = "pgbroker_0001_baseline"
 URL_FORM = "postgresql://user:password@host:port/dbname"
+# An upgrade waits at most this long for any one lock (lock_timeout), so a
+# writer queued behind its lock request waits no longer; when it runs out the
+# upgrade is rolled back and runs again, up to LOCK_RETRIES more times
+# (migrations/env.py, migrations/README.md "Upgrading").
+LOCK_TIMEOUT_S = 0.5
+LOCK_RETRIES = 60
 
 __all__ = [
     "BRANCH_LABEL",
+    "CORE_REVISION",
+    "LOCK_RETRIES",
+    "LOCK_TIMEOUT_S",
+    "OLDEST_SCHEMA",
     "SCHEMA_VERSION",
+    "SchemaCheck",
+    "compare_schema",
     "InstallError",
     "Installation",
     "Right",
@@ -56,6 +78,82 @@ __all__ = [
 
 class InstallError(PgBrokerError):
     """The database cannot be reached or installed into; the message is one line saying why and what to do."""
+
+
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\+(\d+))?")
+
+
+def version_key(version: str | None) -> tuple[int, int, int, int] | None:
+    """``"0.1.0"`` -> (0, 1, 0, 0), ``"0.1.0+3"`` -> (0, 1, 0, 3); None for anything else (a pre-release install)."""
+    m = _VERSION.fullmatch(version or "")
+    return None if m is None else (int(m[1]), int(m[2]), int(m[3]), int(m[4] or 0))
+
+
+@dataclass(frozen=True)
+class SchemaCheck:
+    """How an installed schema version stands against this package's.
+
+    ``state``: ``same``; ``older`` (this package works against it, and
+    ``pgbroker migrate`` brings it up to date); ``newer`` (installed by a newer
+    package: this one keeps working while the schema keeps what it calls, see
+    migrations/README.md "Upgrading"); ``unsupported`` (older than
+    :data:`OLDEST_SCHEMA`, or not a release's version: a development install
+    from before 0.1.0).  ``usable``: the Broker works against it (with a
+    warning unless ``same``).  ``message`` names both versions; ``fix`` is the
+    command that fixes it (None when ``same``).
+    """
+
+    installed: str
+    expected: str
+    state: str
+    message: str
+    fix: str | None
+
+    @property
+    def usable(self) -> bool:
+        return self.state in ("same", "older", "newer")
+
+
+def compare_schema(installed: str, expected: str = SCHEMA_VERSION, oldest: str = OLDEST_SCHEMA) -> SchemaCheck:
+    """Compare the installed schema version ``installed`` with this package's ``expected``."""
+    have, want, low = version_key(installed), version_key(expected), version_key(oldest)
+    migrate_fix = "pgbroker migrate (or alembic upgrade heads where your application's alembic installed it)"
+    if installed == expected:
+        return SchemaCheck(installed, expected, "same", f"pgbroker schema version {installed}, as this package's", None)
+    if have is None:
+        return SchemaCheck(
+            installed,
+            expected,
+            "unsupported",
+            f"installed pgbroker schema version {installed} is not a release's (a development install from before "
+            f"0.1.0?); this package's is {expected}",
+            "DROP SCHEMA pgbroker CASCADE (it takes pgbroker's triggers off your tables too), then pgbroker migrate: "
+            "a pre-release schema is reinstalled, not upgraded",
+        )
+    if want is not None and have > want:
+        return SchemaCheck(
+            installed,
+            expected,
+            "newer",
+            f"installed pgbroker schema version {installed} is newer than this package's {expected}",
+            f"pip install -U pgbroker (a package whose schema version is {installed} or later)",
+        )
+    if low is not None and have < low:
+        return SchemaCheck(
+            installed,
+            expected,
+            "unsupported",
+            f"installed pgbroker schema version {installed} is older than this package's {expected}, and older than "
+            f"the oldest it works with ({oldest})",
+            migrate_fix,
+        )
+    return SchemaCheck(
+        installed,
+        expected,
+        "older",
+        f"installed pgbroker schema version {installed} is older than this package's {expected}",
+        migrate_fix,
+    )
 
 
 def _data_dir(name: str) -> Path:
@@ -162,7 +260,9 @@ def _connect(url: str) -> Iterator[psycopg.Connection]:
         yield conn
 
 
-def _config(url: str, *, initech: bool = True) -> Config:
+def _config(
+    url: str, *, initech: bool = True, lock_timeout: float = LOCK_TIMEOUT_S, lock_retries: int = LOCK_RETRIES
+) -> Config:
     from alembic.config import Config
 
     cfg = Config()
@@ -170,6 +270,8 @@ def _config(url: str, *, initech: bool = True) -> Config:
     cfg.set_main_option("path_separator", "os")
     cfg.attributes["url"] = url
     cfg.attributes["initech"] = initech
+    cfg.attributes["lock_timeout"] = lock_timeout
+    cfg.attributes["lock_retries"] = lock_retries
     return cfg
 
 
@@ -376,6 +478,8 @@ def migrate(
     *,
     initech: bool = True,
     report: Callable[[Right], object] | None = None,
+    lock_timeout: float = LOCK_TIMEOUT_S,
+    lock_retries: int = LOCK_RETRIES,
 ) -> Installation:
     """Upgrade the database at ``url`` to ``revision`` (all of pgbroker by default); return what it holds then.
 
@@ -386,6 +490,11 @@ def migrate(
     (:func:`check_rights`): ``report`` is called with each one it lacks, and
     :class:`InstallError` is raised, with nothing changed, when one it
     cannot do without is missing.  A failed install leaves nothing behind.
+
+    Online (migrations/README.md, "Upgrading"): every lock the upgrade waits for is waited for at most
+    ``lock_timeout`` seconds, so writers queued behind it wait no longer; then the upgrade is rolled back and
+    runs again after a pause, up to ``lock_retries`` more times (then :class:`InstallError`, nothing changed).
+    A schema newer than this package's is left alone (:class:`InstallError`).
 
     When pgbroker was installed through an application's alembic environment
     (its revisions recorded in the application's version table), there is
@@ -401,6 +510,13 @@ def migrate(
         if not right.held and report is not None:
             report(right)
     _refuse_if_essential_missing(url, rights)
+    if found.installed:
+        check = compare_schema(found.schema_version)
+        if check.state == "newer":
+            raise InstallError(
+                f"{describe(url)}: {check.message}: this package cannot upgrade it, and nothing was changed "
+                f"(run {check.fix})"
+            )
     if found.elsewhere:
         if found.schema_version == SCHEMA_VERSION:
             return found
@@ -409,11 +525,15 @@ def migrate(
             f"environment (its alembic_version records pgbroker's revisions), and this package's is {SCHEMA_VERSION}: "
             "upgrade it there, with `alembic upgrade heads` in that project"
         )
-    _run_alembic(url, lambda cfg: command.upgrade(cfg, revision), initech=initech)
+    _run_alembic(
+        url,
+        lambda cfg: command.upgrade(cfg, revision),
+        _config(url, initech=initech, lock_timeout=lock_timeout, lock_retries=lock_retries),
+    )
     return installation(url)
 
 
-def _run_alembic(url: str, action: Callable[[Config], object], *, initech: bool = True) -> None:
+def _run_alembic(url: str, action: Callable[[Config], object], cfg: Config | None = None) -> None:
     """Run an alembic command against ``url`` (already checked to be reachable by the caller).
 
     pgbroker's alembic environment ends the ``alembic`` command line with SystemExit and a one-line reason; a
@@ -422,7 +542,7 @@ def _run_alembic(url: str, action: Callable[[Config], object], *, initech: bool 
     import psycopg
     import sqlalchemy.exc
 
-    cfg = _config(url, initech=initech)
+    cfg = cfg or _config(url)
     cfg.attributes["rights_checked"] = True
     try:
         action(cfg)
@@ -448,8 +568,10 @@ def server_error(url: str, exc: psycopg.Error) -> InstallError:
     )
 
 
-def downgrade(url: str, revision: str = "base") -> None:
-    """Downgrade; ``base`` removes every object pgbroker created."""
+def downgrade(
+    url: str, revision: str = "base", *, lock_timeout: float = LOCK_TIMEOUT_S, lock_retries: int = LOCK_RETRIES
+) -> None:
+    """Downgrade; ``base`` removes every object pgbroker created.  Online as :func:`migrate` is."""
     from alembic import command
 
     found = installation(url)
@@ -458,7 +580,11 @@ def downgrade(url: str, revision: str = "base") -> None:
             f"pgbroker was installed in {describe(url)} through another alembic environment (its alembic_version "
             "records pgbroker's revisions): downgrade it there, with `alembic downgrade` in that project"
         )
-    _run_alembic(url, lambda cfg: command.downgrade(cfg, revision))
+    _run_alembic(
+        url,
+        lambda cfg: command.downgrade(cfg, revision),
+        _config(url, lock_timeout=lock_timeout, lock_retries=lock_retries),
+    )
 
 
 def current_revision(url: str) -> tuple[str, ...]:

@@ -150,8 +150,11 @@ def app_versions(url: str) -> set[str]:
 # The schema's version
 
 
-def test_schema_version_is_the_core_revision():
-    assert core_revision() == install.SCHEMA_VERSION
+def test_core_revision_is_the_head_of_the_core():
+    script = ScriptDirectory(str(install.migrations_path()))
+    assert script.get_revision(install.CORE_REVISION).down_revision is None
+    # Every later core revision comes after it: depending on it means "after the core is installed".
+    assert install.CORE_REVISION in {r.revision for r in script.iterate_revisions(core_revision(), "base")}
 
 
 def test_installed_version_reads_the_schema(db_url, empty_db):
@@ -201,7 +204,7 @@ def test_pgbroker_migrate_beside_the_applications_alembic(empty_db, tmp_path):
 
 
 def test_pgbroker_inside_the_applications_alembic(empty_db, tmp_path):
-    project = make_project(tmp_path, empty_db, with_pgbroker=True, depends_on=install.SCHEMA_VERSION)
+    project = make_project(tmp_path, empty_db, with_pgbroker=True, depends_on=install.CORE_REVISION)
     heads = ok(alembic(project, "heads")).stdout
     assert "app_0002_watch" in heads and "pgbroker" in heads
 
@@ -212,7 +215,7 @@ def test_pgbroker_inside_the_applications_alembic(empty_db, tmp_path):
     def step(revision: str) -> int:
         return next(i for i, line in enumerate(ran) if line.split(",")[0].endswith(f"-> {revision}"))
 
-    assert step(install.SCHEMA_VERSION) < step("app_0002_watch"), upgraded.stderr
+    assert step(install.CORE_REVISION) < step("app_0002_watch"), upgraded.stderr
     watched = "SELECT count(*) FROM pgbroker.watched_tables WHERE \"table\" = 'app.items'::regclass"
     assert _scalar(empty_db, watched) == 1
 
@@ -252,17 +255,16 @@ def test_pgbroker_inside_the_applications_alembic(empty_db, tmp_path):
 
 
 def test_an_older_schema_installed_elsewhere_is_not_upgraded_here(empty_db, tmp_path):
-    project = make_project(tmp_path, empty_db, with_pgbroker=True, depends_on=install.SCHEMA_VERSION)
+    project = make_project(tmp_path, empty_db, with_pgbroker=True, depends_on=install.CORE_REVISION)
     ok(alembic(project, "upgrade", "heads"))
     # A schema that says it is an older version (as one installed by an older release would).
     _execute(
         empty_db,
-        "CREATE OR REPLACE FUNCTION pgbroker.schema_version() RETURNS text LANGUAGE sql"
-        " AS $$ SELECT 'pgbroker_0000_older' $$",
+        "CREATE OR REPLACE FUNCTION pgbroker.schema_version() RETURNS text LANGUAGE sql AS $$ SELECT '0.0.9' $$",
     )
     result = pgbroker("migrate", "--url", empty_db)
     assert result.returncode == 1
-    assert "schema version pgbroker_0000_older" in result.stderr and "alembic upgrade heads" in result.stderr
+    assert "schema version 0.0.9" in result.stderr and "alembic upgrade heads" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     status = ok(pgbroker("status", "--url", empty_db))
     assert "run alembic upgrade heads" in status.stdout
@@ -280,13 +282,13 @@ def test_alembic_current_without_pgbroker_prints_a_line_and_leaves_nothing(empty
     assert _scalar(empty_db, "SELECT to_regnamespace('pgbroker')") is None
 
     upgraded = ok(alembic(REPO, "upgrade", "head", env=env))
-    assert f"Running upgrade  -> {install.SCHEMA_VERSION}" in upgraded.stderr
+    assert f"Running upgrade  -> {install.CORE_REVISION}" in upgraded.stderr
     assert install.installed_version(empty_db) == install.SCHEMA_VERSION
     head = ScriptDirectory(str(install.migrations_path())).get_current_head()
     assert f"{head} (head)" in ok(alembic(REPO, "current", env=env)).stdout
 
     downgraded = ok(alembic(REPO, "downgrade", "base", env=env))
-    assert f"Running downgrade {install.SCHEMA_VERSION} -> " in downgraded.stderr
+    assert f"Running downgrade {install.CORE_REVISION} -> " in downgraded.stderr
     assert _scalar(empty_db, "SELECT to_regnamespace('pgbroker')") is None
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import hashlib
 import importlib.util
 import os
 import re
@@ -564,8 +563,41 @@ def test_catalog_migrations_equal_sql(built_dbs):
     assert not report, (
         "a database built by the migrations differs from one built from sql/:\n"
         + report
-        + "\n(sql/ holds the current definitions: add a revision that brings the migrations there, or fix sql/)"
+        + "\n(sql/ holds the current definitions: add a revision that brings the migrations there, drafted by "
+        + 'python3 migrations/new_revision.py "what changed" (migrations/README.md, "Revisions"), or fix sql/)'
     )
+
+
+def test_the_catalog_comparison_sees_each_kind_of_change(db_url):
+    """What "the same catalog" covers: a change of each kind shows up in the report, named."""
+    before = snapshot(db_url)
+    _execute(
+        db_url,
+        # a function's body, and another's comment and grant
+        "CREATE OR REPLACE FUNCTION pgbroker.schema_version() RETURNS text LANGUAGE sql IMMUTABLE"
+        " SET search_path = pg_catalog, pg_temp AS $$ SELECT '9.9.9'::text $$",
+        "COMMENT ON FUNCTION pgbroker.lock_key(text) IS 'changed'",
+        "GRANT EXECUTE ON FUNCTION pgbroker.lock_key(text) TO pgbroker_reader",
+        # a table's column, its comment, an index, a trigger, a table grant
+        "ALTER TABLE pgbroker.installed ADD COLUMN note text",
+        "COMMENT ON COLUMN pgbroker.installed.object IS 'changed'",
+        "CREATE INDEX installed_at ON pgbroker.installed (installed_at)",
+        "CREATE TRIGGER practice AFTER INSERT ON pgbroker.installed FOR EACH STATEMENT"
+        " EXECUTE FUNCTION suppress_redundant_updates_trigger()",
+        "GRANT SELECT ON pgbroker.installed TO pgbroker_reader",
+    )
+    report = diff_snapshots(before, snapshot(db_url), "before", "after")
+    for says in (
+        "~ function pgbroker.schema_version(): body",
+        "~ function pgbroker.lock_key(name text): comment",
+        "~ function pgbroker.lock_key(name text): acl",
+        "+ column pgbroker.installed.note: only in after",
+        "~ column pgbroker.installed.object: comment",
+        "+ index pgbroker.installed.installed_at: only in after",
+        "+ trigger pgbroker.installed.practice: only in after",
+        "~ relation pgbroker.installed: acl",
+    ):
+        assert says in report, f"{says!r} not in:\n{report}"
 
 
 def test_catalog_roles_and_search_path(built_dbs):
@@ -629,53 +661,104 @@ def test_revisions_run_frozen_sql_beside_them():
 
 
 # Released revisions never change: a change to the schema is a new revision.
-# Nothing is released yet (no version tag): the schema is one baseline
-# revision generated from sql/ (test below).  At the first release, list the
-# sha256 of every revision file here; from then on they are frozen, and every
-# later change to sql/ comes with a new, hand-written revision.
-RELEASED: dict[str, str] = {}
+# migrations/released.json holds the sha256 of every revision file of every
+# release (migrations/release.py wrote it at the release).
 
 
-def test_released_revisions_are_unchanged():
-    versions = install.versions_path()
-    for name, digest in RELEASED.items():
-        path = versions / name
-        assert path.is_file(), f"released revision file {name} is gone"
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, (
-            f"{name} was released and must not change: write a new revision instead"
-        )
-
-
-def _build_baseline_module():
-    spec = importlib.util.spec_from_file_location("build_baseline", REPO / "migrations" / "build_baseline.py")
+def _module_from(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_baseline_revisions_are_generated_from_sql():
-    """Before the first release the revisions are exactly what migrations/build_baseline.py makes of sql/."""
-    if RELEASED:
-        pytest.skip("released: revisions are frozen and no longer regenerated")
-    build = _build_baseline_module()
-    versions = install.versions_path()
-    wanted = build.revision_files()
-    on_disk = {p.name for p in versions.iterdir() if p.suffix in (".py", ".sql")}
-    assert on_disk == set(wanted), "run: python3 migrations/build_baseline.py"
-    for name, text in wanted.items():
-        assert (versions / name).read_text() == text, (
-            f"{name} differs from sql/: run python3 migrations/build_baseline.py"
-        )
-    assert build.CORE == install.SCHEMA_VERSION
+def _release_module():
+    return _module_from(REPO / "migrations" / "release.py", "pgbroker_release")
 
 
-def test_schema_version_names_the_core_revision(built_dbs):
-    build = _build_baseline_module()
+def _build_baseline_module():
+    return _module_from(REPO / "migrations" / "build_baseline.py", "build_baseline")
+
+
+def test_released_revisions_are_unchanged():
+    release = _release_module()
+    releases = release.load()
+    assert [r["version"] for r in releases][:1] == ["0.1.0"], "0.1.0 is released: migrations/released.json lists it"
+    problems = release.verify(releases, install.versions_path())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checksum_test_fails_on_an_edited_revision(tmp_path):
+    """verify() (what the test above runs) reports one changed byte and a removed file of a released revision."""
+    release = _release_module()
+    releases = release.load()
+    copy = tmp_path / "versions"
+    shutil.copytree(install.versions_path(), copy)
+    assert release.verify(releases, copy) == []
+    target = copy / "0001_baseline.sql"
+    target.write_text(target.read_text().replace("pgbroker", "pgbrokeR", 1))
+    (copy / "0002_initech.py").unlink()
+    problems = release.verify(releases, copy)
+    assert len(problems) == 2, problems
+    assert "0001_baseline.sql was released in 0.1.0 and has changed" in problems[0]
+    assert "0002_initech.py (released in 0.1.0) is gone" in problems[1]
+
+
+def test_build_baseline_refuses_to_rewrite_a_released_revision():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "migrations" / "build_baseline.py")], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "were released and never change" in done.stderr, done.stderr
+    assert release_problems() == []
+
+
+def release_problems() -> list[str]:
+    release = _release_module()
+    return release.verify(release.load(), install.versions_path())
+
+
+def test_each_release_is_a_revision_of_the_chain_and_its_schema_version():
+    """Each release names its head revision, and the revisions up to it leave schema_version() at its version."""
+    release = _release_module()
+    chain = release.chain(install.versions_path())
+    ids = [m.revision for m in chain]
+    for entry in release.load():
+        assert entry["head"] in ids, entry
+        upto = chain[: ids.index(entry["head"]) + 1]
+        assert release.schema_version_at(upto) == entry["schema_version"] == entry["version"]
+    # The newest revisions leave what this package and sql/ say.
+    assert release.schema_version_at(chain) == install.SCHEMA_VERSION == _build_baseline_module().schema_version()
+
+
+_SETS_VERSION = re.compile(r"FUNCTION pgbroker\.schema_version\(\)[^;]*?AS \$(\w*)\$ SELECT '([^']*)'::text \$\1\$")
+
+
+def schema_version_problems(versions: Path) -> list[str]:
+    """Revisions whose module's ``schema_version`` is not what their SQL sets pgbroker.schema_version() to."""
+    problems = []
+    for path in sorted(versions.glob("*.py")):
+        module = _module_from(path, f"rev_{path.stem}")
+        declared = getattr(module, "schema_version", "missing")
+        if declared == "missing":
+            problems.append(f"{path.name} does not say which schema_version it leaves (None: unchanged)")
+            continue
+        sql = path.with_suffix(".sql").read_text() if path.with_suffix(".sql").exists() else ""
+        sets = [m.group(2) for m in _SETS_VERSION.finditer(sql)]
+        if sets != ([] if declared is None else [declared]):
+            problems.append(f"{path.name} says schema_version = {declared!r}, its SQL sets {sets}")
+    return problems
+
+
+def test_each_revision_sets_the_schema_version_it_declares():
+    """A revision whose module says schema_version = X replaces pgbroker.schema_version() to return X."""
+    assert schema_version_problems(install.versions_path()) == []
+
+
+def test_schema_version_is_the_packages(built_dbs):
     for url in built_dbs.values():
-        assert _scalar(url, "SELECT pgbroker.schema_version()") == build.CORE
-    chain = [r.revision for r in reversed(list(script_directory().walk_revisions()))]
-    assert chain == [build.CORE, build.INITECH]
+        assert _scalar(url, "SELECT pgbroker.schema_version()") == install.SCHEMA_VERSION
+    assert install.compare_schema(install.SCHEMA_VERSION).state == "same"
 
 
 # ---------------------------------------------------------------------------

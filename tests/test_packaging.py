@@ -3,6 +3,8 @@ from a virtual environment without the source tree."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import site
@@ -109,6 +111,14 @@ def test_wheel_ships_migrations_and_sql(wheel):
     assert any(n.startswith("pgbroker/migrations/versions/") and n.endswith(".sql") for n in names)
     for path in sql_files():
         assert f"pgbroker/sql/{path.name}" in names, path.name
+    # Every release's revision files, exactly as released (migrations/released.json, shipped too).
+    with zipfile.ZipFile(wheel) as zf:
+        releases = json.loads(zf.read("pgbroker/migrations/released.json"))["releases"]
+        assert releases and releases[0]["version"] == "0.1.0"
+        for release in releases:
+            for name, digest in release["files"].items():
+                data = zf.read(f"pgbroker/migrations/versions/{name}")
+                assert hashlib.sha256(data).hexdigest() == digest, f"{name} in the wheel is not as released"
 
 
 def _venv_run(venv: Path, *args: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -171,8 +181,9 @@ def test_sdist_holds_the_sources_the_wheel_is_built_from(built):
     sdist, _ = built
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    for needed in ("pyproject.toml", "README.md", "alembic.ini", "pgbroker/py.typed", "pgbroker/cli.py",
-                   "migrations/env.py"):  # fmt: skip
+    for needed in ("pyproject.toml", "README.md", "CHANGELOG.md", "alembic.ini", "pgbroker/py.typed",
+                   "pgbroker/cli.py", "migrations/env.py", "migrations/released.json",
+                   "migrations/release.py"):  # fmt: skip
         assert needed in names, needed
     for path in sql_files():
         assert f"sql/{path.name}" in names, path.name

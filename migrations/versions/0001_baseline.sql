@@ -13,24 +13,28 @@
 --   650 named locks                660 semaphores       670 key-value store
 --   680 counters                   690 rate limits      700 views
 --   750 console, health, metrics   900 privileges       950 initech.objects (the optional reference table)
--- migrations/ holds alembic revisions generated from these files
--- (migrations/build_baseline.py); a test proves both give the same catalog.
+-- migrations/ holds the alembic revisions: 0.1.0's, generated from these
+-- files at the release (migrations/release.py), then one revision per later
+-- change; a test proves that they build the same catalog as these files.
 
 CREATE SCHEMA IF NOT EXISTS pgbroker;
 COMMENT ON SCHEMA pgbroker IS
     'pgbroker: singleton broker leases with fencing epochs, change fan-out to subscribed clients, named locks, semaphores, a key-value store, counters and rate limits, in PL/pgSQL. See sql/README.md.';
 
--- The version of the installed schema: the alembic revision that built it.
--- It lets pgbroker (and you) recognise the schema whichever alembic
--- environment installed it, as extensions know theirs.  Every revision that
--- changes the schema replaces this function.
+-- The version of the installed schema: the release that froze it ('0.1.0'),
+-- or, for a revision made since that is not released yet, that release and
+-- the revision's number ('0.1.0+3').  It lets pgbroker (and you) recognise
+-- the schema whichever alembic environment installed it, as extensions know
+-- theirs.  Every revision that changes the schema replaces this function,
+-- and pgbroker.install.SCHEMA_VERSION says the same (migrations/README.md,
+-- "Revisions").
 CREATE FUNCTION pgbroker.schema_version()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT 'pgbroker_0001_baseline'::text $$;
+AS $$ SELECT '0.1.0'::text $$;
 COMMENT ON FUNCTION pgbroker.schema_version() IS
-    'The alembic revision id of the installed pgbroker schema (for example pgbroker_0001_baseline). Anyone may call it.';
+    'The version of the installed pgbroker schema: a release (0.1.0), or a release and the number of an unreleased revision made since (0.1.0+3). Anyone may call it.';
 
 -- Roles are cluster-wide.  Create the four pgbroker roles when they are
 -- missing and remember which ones this installation created, so that a

@@ -4,7 +4,8 @@ Revision ID: "pgbroker_0002_initech"
 Revises: "pgbroker_0001_baseline"
 
 Generated from sql/ by migrations/build_baseline.py; the SQL it runs lives
-beside it (0002_initech.sql, 0002_initech.downgrade.sql).  Once released, it never changes.
+beside it (0002_initech.sql, 0002_initech.downgrade.sql).  Released in 0.1.0: it never
+changes again (migrations/released.json holds its checksums).
 """
 
 from alembic import context
@@ -15,6 +16,8 @@ revision = "pgbroker_0002_initech"
 down_revision = "pgbroker_0001_baseline"
 branch_labels = None
 depends_on = None
+# What pgbroker.schema_version() returns once this revision ran (None: it does not change it).
+schema_version = None
 
 
 def _wanted() -> bool:

@@ -772,13 +772,13 @@ async def grants(request: Request) -> dict[str, Any]:
 async def health(request: Request) -> dict[str, Any]:
     c = _console(request)
     found = await c.health_rows()
+    check = install.compare_schema(c.check.schema_version)
     schema = {
         "check": "schema",
         "subject": "",
-        "ok": c.check.schema_version == install.SCHEMA_VERSION,
-        "detail": f"schema version {c.check.schema_version}"
-        + ("" if c.check.schema_version == install.SCHEMA_VERSION else f", this package's is {install.SCHEMA_VERSION}"),
-        "fix": None if c.check.schema_version == install.SCHEMA_VERSION else "run: pgbroker migrate",
+        "ok": check.state == "same",
+        "detail": check.message,
+        "fix": None if check.fix is None else f"run: {check.fix}",
     }
     return {
         "rows": [schema, *found["rows"]],
