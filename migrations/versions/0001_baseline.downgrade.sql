@@ -166,6 +166,8 @@ DROP FUNCTION pgbroker._lease_sweep();
 DROP TRIGGER _900_sync_session_lock ON pgbroker.lease;
 DROP FUNCTION pgbroker._lease_sync_session_lock();
 DROP FUNCTION pgbroker._lease_touch(pgbroker.lease);
+DROP FUNCTION pgbroker._advisory_wait(integer, integer, boolean, boolean, interval);
+DROP FUNCTION pgbroker._advisory_held(integer, integer, boolean);
 DROP FUNCTION pgbroker._wait_ms(interval);
 DROP FUNCTION pgbroker._raise_held(text);
 DROP FUNCTION pgbroker._lock_holder_pid(integer);
