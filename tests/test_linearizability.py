@@ -501,7 +501,9 @@ def test_linearizable(server: EmbeddedPostgres, db_url: str, tmp_path: Path, nam
     workload = WORKLOADS[name]
     ops = run(server, db_url, workload, faults, tmp_path / "history")
     started = time.monotonic()
-    result = assert_linearizable(workload.model, ops, f"{name}-{faults}")
+    with psycopg.connect(db_url) as conn:
+        version = conn.info.server_version // 10000
+    result = assert_linearizable(workload.model, ops, f"{name}-{faults}-pg{version}")
     print(
         f"\nFIGURE linearizability {name} with {faults}: {len(ops)} operations ({describe(ops)}), "
         f"{sum(k.steps for k in result.keys)} search steps, checked in {time.monotonic() - started:.2f} s"
