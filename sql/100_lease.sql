@@ -479,6 +479,26 @@ $$;
 COMMENT ON FUNCTION pgbroker._advisory_held(integer, integer, boolean) IS
     'Internal: whether this session holds advisory lock (p_class, p_key) in the mode p_shared names (pg_locks: session or transaction scope).';
 
+-- A session hold of advisory lock (p_class, p_key) made a transaction hold:
+-- taken at once (the session holds it), then the session hold goes.
+CREATE FUNCTION pgbroker._advisory_to_xact(p_class integer, p_key integer, p_shared boolean)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF p_shared THEN
+        PERFORM pg_advisory_xact_lock_shared(p_class, p_key);
+        PERFORM pg_advisory_unlock_shared(p_class, p_key);
+    ELSE
+        PERFORM pg_advisory_xact_lock(p_class, p_key);
+        PERFORM pg_advisory_unlock(p_class, p_key);
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._advisory_to_xact(integer, integer, boolean) IS
+    'Internal: turn this session''s hold of advisory lock (p_class, p_key) into a hold for the transaction.';
+
 -- Wait at most p_wait (NULL: without limit) for advisory lock (p_class,
 -- p_key) in the mode p_shared names, held for the session, or for the
 -- transaction with p_xact.  The caller has just tried it and failed, so this
@@ -502,13 +522,18 @@ BEGIN
             PERFORM pg_advisory_lock(p_class, p_key);
         END IF;
         PERFORM set_config('lock_timeout', v_timeout, true);
-        v_got := true;
+        IF p_xact THEN
+            PERFORM pgbroker._advisory_to_xact(p_class, p_key, p_shared);
+        END IF;
+        RETURN true;
     EXCEPTION
         WHEN lock_not_available THEN
             -- The wait ran out; granted all the same at that moment?  (The
             -- block's rollback has restored lock_timeout.)
             v_got := pgbroker._advisory_held(p_class, p_key, p_shared);
         WHEN query_canceled OR others THEN
+            -- In the block, a transaction hold was undone with it; a session
+            -- hold is not: give it back.
             IF pgbroker._advisory_held(p_class, p_key, p_shared) THEN
                 IF p_shared THEN
                     PERFORM pg_advisory_unlock_shared(p_class, p_key);
@@ -519,15 +544,7 @@ BEGIN
             RAISE;
     END;
     IF v_got AND p_xact THEN
-        -- Hold it for the transaction instead: this succeeds at once (the
-        -- session holds it), then the session hold goes.
-        IF p_shared THEN
-            PERFORM pg_advisory_xact_lock_shared(p_class, p_key);
-            PERFORM pg_advisory_unlock_shared(p_class, p_key);
-        ELSE
-            PERFORM pg_advisory_xact_lock(p_class, p_key);
-            PERFORM pg_advisory_unlock(p_class, p_key);
-        END IF;
+        PERFORM pgbroker._advisory_to_xact(p_class, p_key, p_shared);
     END IF;
     RETURN v_got;
 END
@@ -811,7 +828,10 @@ BEGIN
         -- First claim of this name.  Only then INSERT: an INSERT ... ON
         -- CONFLICT waits for any open transaction that changed the row, which
         -- would make wait => '0' block.  It still waits for a concurrent
-        -- first claim of the same name; that wait is bounded by p_wait.
+        -- first claim of the same name; that wait is bounded by p_wait.  A
+        -- grant just as the wait runs out is undone with the block, INSERT
+        -- and all, and the claim fails: right, as the other claim, which
+        -- holds the lease's lock, was open throughout.
         BEGIN
             PERFORM set_config('lock_timeout',
                                pgbroker._wait_ms(CASE WHEN v_deadline IS NOT NULL

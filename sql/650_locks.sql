@@ -111,6 +111,11 @@ BEGIN
     IF FOUND AND v_row.retired_xid IS NULL THEN
         RETURN v_row;
     END IF;
+    -- A timed wait for a row (its registering transaction, or maintain()).  A
+    -- grant just as it runs out is undone with the block, and the caller
+    -- says "not acquired": the registering transaction holds the name's lock
+    -- until it ends (a maintain() forgetting the name does not: then the
+    -- name was busy without a holder, for that moment; sql/README.md).
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);

@@ -113,6 +113,8 @@ BEGIN
     IF cardinality(v_keys) = p_limit AND NOT v_retired THEN
         RETURN v_keys;
     END IF;
+    -- A timed wait for rows, as in _lock_key (650_locks.sql): what it was
+    -- granted is undone with the block when it runs out.
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);

@@ -94,9 +94,16 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     PERFORM pg_advisory_lock_shared(pgbroker._lock_class_kv(), 1);
-    PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
-    -- Wait for the writes that looked for watchers before we registered.
-    PERFORM pg_advisory_xact_lock(pgbroker._lock_class_kv(), 0);
+    BEGIN
+        PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
+        -- Wait for the writes that looked for watchers before we registered.
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_kv(), 0);
+    EXCEPTION WHEN query_canceled OR others THEN
+        -- A cancel or statement_timeout while waiting: not registered (the
+        -- session lock above outlives the error, so it goes here).
+        PERFORM pg_advisory_unlock_shared(pgbroker._lock_class_kv(), 1);
+        RAISE;
+    END;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_watch_begin() IS

@@ -167,6 +167,7 @@ DROP TRIGGER _900_sync_session_lock ON pgbroker.lease;
 DROP FUNCTION pgbroker._lease_sync_session_lock();
 DROP FUNCTION pgbroker._lease_touch(pgbroker.lease);
 DROP FUNCTION pgbroker._advisory_wait(integer, integer, boolean, boolean, interval);
+DROP FUNCTION pgbroker._advisory_to_xact(integer, integer, boolean);
 DROP FUNCTION pgbroker._advisory_held(integer, integer, boolean);
 DROP FUNCTION pgbroker._wait_ms(interval);
 DROP FUNCTION pgbroker._raise_held(text);
