@@ -36,6 +36,7 @@ from pgbroker import (
     AsyncLock,
     AsyncSemaphore,
     Counter,
+    DatabaseError,
     InvalidArgument,
     KVChange,
     Lock,
@@ -272,6 +273,21 @@ def test_kv_compare_and_set(connect: Connect):
     v3 = kv_set(conn, "cfg", "again", version=0)
     assert v3 > v2 + 1  # the delete took a version too: versions grow across delete and set
     assert kv_set(conn, "cfg", None if False else "x") > v3  # plain set always writes
+
+
+def test_python_lock_wait_cut_off_by_statement_timeout_leaves_no_hold(connect: Connect):
+    """The Lock's wait by cached key, cut off by statement_timeout: an error, and no hold left behind."""
+    a, b, admin = connect("A", user="t_user"), connect("B", user="t_user"), connect("admin")
+    lock = Lock(a, "cut")
+    assert lock.acquire() is True
+    lock.release()
+    assert "cut" in lock_keys(a)  # the next acquire waits by key
+    assert acquire(b, "cut") is True
+    a.execute("SET statement_timeout = '200ms'")
+    with pytest.raises(DatabaseError) as cut:
+        Lock(a, "cut").acquire()
+    assert cut.value.sqlstate == "57014"
+    assert one(admin, "SELECT count(*) FROM pg_locks WHERE pid = %s AND locktype = 'advisory'", a.info.backend_pid) == 0
 
 
 def test_kv_set_that_waited_for_the_key_takes_a_greater_version(connect: Connect):
