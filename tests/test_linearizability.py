@@ -425,11 +425,14 @@ def killer(url: str, history: History, registry: Registry, stop: threading.Event
     rec.close()
 
 
-def crasher(server: EmbeddedPostgres, url: str, history: History, stop: threading.Event, after: float) -> None:
-    """Once, ``after`` seconds in: ``pg_ctl restart -m immediate``."""
+def crasher(
+    server: EmbeddedPostgres, url: str, history: History, stop: threading.Event, ready: Callable[[], bool]
+) -> None:
+    """Once, when ``ready()`` (a third of the load done): ``pg_ctl restart -m immediate``."""
     rec = history.recorder("crasher")
-    if stop.wait(after):
-        return
+    while not ready():
+        if stop.wait(0.01):
+            return
     with psycopg.connect(url, autocommit=True) as admin:
         started = one(admin, "SELECT extract(epoch FROM pg_postmaster_start_time())::text")
     with rec.call("crash", None, session="crasher", server=started) as call:
@@ -454,6 +457,9 @@ def run(
     clients = [Client(f"c{i}", url, history, registry, seed=f"{workload.name}-{faults}-{i}") for i in range(CLIENTS)]
     errors: list[BaseException] = []
 
+    done = [0]  # operations so far, all clients (approximate: a trigger only)
+    started = time.monotonic()
+
     def client_loop(c: Client) -> None:
         try:
             n = 0
@@ -461,6 +467,7 @@ def run(
                 if c.connected():
                     workload.step(c, n)
                     n += 1
+                    done[0] += 1
         except BaseException as exc:  # a bug of the test: fail the test with it
             errors.append(exc)
         finally:
@@ -472,7 +479,12 @@ def run(
         threads.append(threading.Thread(target=killer, args=(url, history, registry, stop, 7), daemon=True))
     crash = None
     if faults == "restart":
-        crash = threading.Thread(target=crasher, args=(server, url, history, stop, seconds / 3), daemon=True)
+        third = CLIENTS * MAX_OPS // 3
+
+        def ready() -> bool:
+            return done[0] >= third or time.monotonic() - started >= seconds / 3
+
+        crash = threading.Thread(target=crasher, args=(server, url, history, stop, ready), daemon=True)
         threads.append(crash)
     for t in threads:
         t.start()
