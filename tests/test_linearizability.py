@@ -525,7 +525,7 @@ def test_linearizable(server: EmbeddedPostgres, db_url: str, tmp_path: Path, nam
     if name in ("mutex_try", "mutex_wait", "shared_lock", "semaphore", "lease", "kv"):
         assert any(out in (False, None, "held") for out in outputs), "no call ever lost a race"
     if faults == "kills":
-        assert sum(o.kind == "end_session" for o in ops) >= 3
+        assert sum(o.client == "killer" for o in ops) >= 3
     else:
         assert [o.kind for o in ops if o.kind == "crash"] == ["crash"]
         assert len({o.session.rpartition("@")[2] for o in ops if o.kind not in ("crash", "end_session")}) == 2
