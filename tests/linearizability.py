@@ -24,6 +24,9 @@ accepts with the outputs the clients saw.
   leave the search (which keeps the search space from doubling with each of them).
 - **P-compositionality**: a history is linearizable when each key's sub-history is; operations
   without a key (``end_session``, ``crash``) belong to every key's.
+- **A budget**: a key's search that needs more than :data:`MAX_STEPS` steps stops and reports
+  the key undecided, a failure (linearizable histories of the tests need some 10,000; a
+  non-linearizable one may need the whole search space before it is sure).
 
 :func:`check` returns a :class:`Result`; when a key's history is not linearizable it names the
 key, the longest linearized prefix the search found, and the operations it could not place.
@@ -172,6 +175,7 @@ class KeyResult:
     linearized: list[tuple[Operation, tuple[Hashable, ...]]] = field(default_factory=list)  # longest prefix found
     stuck: list[Operation] = field(default_factory=list)  # determinate ops left out of that prefix
     steps: int = 0
+    undecided: bool = False  # the search ran out of steps
 
 
 @dataclass
@@ -189,8 +193,9 @@ class Result:
             return f"linearizable ({self.model}, {len(self.keys)} keys)"
         lines = []
         for k in self.failures:
+            verdict = f"undecided after {k.steps} search steps" if k.undecided else "not linearizable"
             lines.append(
-                f"key {k.key!r} is not linearizable for {self.model}: {len(k.operations)} operations, longest "
+                f"key {k.key!r} is {verdict} for {self.model}: {len(k.operations)} operations, longest "
                 f"linearized prefix {len(k.linearized)}; first operations that could not follow it:"
             )
             lines += [f"    {op.describe()}  [{op.call}..{op.ret}]" for op in k.stuck[:6]]
@@ -219,8 +224,14 @@ class Model:
         return None
 
 
-def check_key(model: Model, operations: Sequence[Operation], key: str | None = None) -> KeyResult:
-    """Is this one partition linearizable?  (Exhaustive: the answer is exact.)"""
+MAX_STEPS = 3_000_000  # per key: a search that needs more is reported undecided (a failure), not left running
+
+
+def check_key(
+    model: Model, operations: Sequence[Operation], key: str | None = None, max_steps: int = MAX_STEPS
+) -> KeyResult:
+    """Is this one partition linearizable?  (Exhaustive: the answer is exact, unless the search needs more
+    than ``max_steps`` steps: then it says no, with ``undecided`` set.)"""
     ops = sorted(operations, key=lambda o: (o.call, o.id))
     index = {op.id: i for i, op in enumerate(ops)}
     events: list[_Entry] = []
@@ -250,6 +261,9 @@ def check_key(model: Model, operations: Sequence[Operation], key: str | None = N
     while head.next is not None:
         assert entry is not None
         steps += 1
+        if steps > max_steps:
+            stuck = [o for o in ops if not (best_mask >> index[o.id]) & 1 and not o.indeterminate]
+            return KeyResult(key, False, list(ops), [(o, tuple(s)) for o, s in best], stuck, steps, undecided=True)
         if entry.is_call:
             op = entry.op
             assert op is not None

@@ -284,7 +284,10 @@ def test_search_is_exhaustive_on_a_wide_window() -> None:
     assert result.ok
     ops.append(o("x", "get", 101, 102, 9))
     result = check_key(CounterModel(), ops)
-    assert not result.ok and [op.kind for op in result.stuck] == ["get"]
+    assert not result.ok and not result.undecided and [op.kind for op in result.stuck] == ["get"]
+    # A search past its budget says no, and that it could not decide.
+    result = check_key(CounterModel(), ops, max_steps=5)
+    assert not result.ok and result.undecided
 
 
 def test_from_a_recorded_history(tmp_path: Path) -> None:
