@@ -224,7 +224,7 @@ class Model:
         return None
 
 
-MAX_STEPS = 3_000_000  # per key: a search that needs more is reported undecided (a failure), not left running
+MAX_STEPS = 1_000_000  # per key: a search that needs more is reported undecided (a failure), not left running
 
 
 def check_key(
