@@ -46,6 +46,19 @@ RAW_LOCK_SQL = {
     (True, True): f"SELECT CASE WHEN {_GRANTS_UNCHANGED}"
     f" THEN pg_catalog.pg_try_advisory_lock_shared({LOCK_CLASS}, %(key)s) END",
 }
+# Does this session hold the lock of key %(key)s in this mode?  After a wait
+# that failed (a session lock_timeout, a cancel): PostgreSQL may grant the
+# lock at the very moment the error is raised, and a session lock outlives
+# the error (issue 41).  The session did not hold it before (a wait on a lock
+# it holds in that mode is granted at once), so a hold now is the wait's.
+RAW_HELD_SQL = {
+    shared: "SELECT EXISTS (SELECT FROM pg_catalog.pg_locks l WHERE l.locktype = 'advisory'"
+    " AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())"
+    f" AND l.classid = {LOCK_CLASS}::oid AND l.objid = %(key)s::integer::oid AND l.objsubid = 2"
+    " AND l.pid = pg_catalog.pg_backend_pid() AND l.granted"
+    f" AND l.mode = '{mode}')"
+    for shared, mode in ((False, "ExclusiveLock"), (True, "ShareLock"))
+}
 RAW_UNLOCK_SQL = {
     False: f"SELECT pg_catalog.pg_advisory_unlock({LOCK_CLASS}, %(key)s)",
     True: f"SELECT pg_catalog.pg_advisory_unlock_shared({LOCK_CLASS}, %(key)s)",

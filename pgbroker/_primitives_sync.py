@@ -42,6 +42,7 @@ from pgbroker._primitives_core import (
     LOCK_KEY_SQL,
     LOCK_RELEASE_SQL,
     RATE_LIMIT_SQL,
+    RAW_HELD_SQL,
     RAW_LOCK_SQL,
     RAW_UNLOCK_SQL,
     SEMAPHORE_CHANNEL_SQL,
@@ -212,7 +213,10 @@ class Lock:
 
         The same advisory lock ``lock_acquire`` takes, without the function
         call around it.  A session ``lock_timeout`` makes a wait that runs out
-        fail with 55P03; ``lock_acquire`` then waits as documented (forever).
+        fail with 55P03; ``lock_acquire`` then waits as documented (forever),
+        unless the lock was granted just as the wait ran out (it is then held:
+        acquired).  A cancel or ``statement_timeout`` during the wait gives
+        such a grant back before it is raised.
         """
         cached = self._key()
         if cached is None or not (wait is None or wait == timedelta(0)):
@@ -224,13 +228,26 @@ class Lock:
             )
             row = cur.fetchone()
         except psycopg.errors.LockNotAvailable:
-            return None
+            return True if self._held_now(key) else None
+        except psycopg.errors.QueryCanceled as exc:  # a cancel or statement_timeout, during the wait
+            if wait is None and self._held_now(key):
+                self.conn.execute(RAW_UNLOCK_SQL[self.shared], {"key": key})
+            _raise_translated(exc)
         except psycopg.Error as exc:
             _raise_translated(exc)
         if row is None or row[0] is None:  # the name grants changed: lock_acquire decides, and the key is learnt again
             lock_keys(self.conn).pop(self.name, None)
             return None
         return wait is None or bool(row[0])
+
+    def _held_now(self, key: int) -> bool:
+        """Whether this session holds the lock of ``key`` in this object's mode (``pg_locks``)."""
+        try:
+            cur = self.conn.execute(RAW_HELD_SQL[self.shared], {"key": key})
+            row = cur.fetchone()
+        except psycopg.Error as exc:
+            _raise_translated(exc)
+        return bool(row and row[0])
 
     def _learn_key(self) -> None:
         """Cache the name's key once it is registered by a committed transaction, while lock names have no grant

@@ -442,6 +442,117 @@ COMMENT ON FUNCTION pgbroker._wait_ms(interval) IS
     'Internal: a wait interval as a lock_timeout in ms (NULL gives 0, i.e. no limit); 22023 when negative or over 24 days.';
 
 -- ---------------------------------------------------------------------------
+-- Timed waits on advisory locks, right by construction.
+--
+-- A wait with lock_timeout can end with the lock granted AND the timeout
+-- error raised: the releaser grants the lock to the first waiter in shared
+-- memory while the waiter's timer fires; the waiter then processes the
+-- pending cancel inside its wait, and its error cleanup (LockErrorCleanup)
+-- finds the grant and records it.  A session-level lock outlives the
+-- rollback of the EXCEPTION block, so a caller that answered "not acquired"
+-- kept the lock (issue 41); a transaction-level one is given back by that
+-- rollback, so for an instant the lock was held by a call that answers "not
+-- acquired", and a try by anyone else in that instant failed although nobody
+-- held it.  Both are not linearizable.  So every timed wait on an advisory
+-- lock goes through _advisory_wait: it waits on a session-level lock,
+-- asks pg_locks after a timeout whether the lock was granted all the same,
+-- and counts such a grant as acquired (the lock was granted within the call,
+-- and the call says so); a transaction-scope wait then holds the lock for
+-- the transaction and drops the session hold (at once: both are its own).
+-- Any other error during the wait (a cancel, statement_timeout, a deadlock)
+-- gives a lock granted meanwhile back before it is raised again: an error
+-- means not acquired.
+
+-- Does this session hold advisory lock (p_class, p_key) in this mode (any scope)?
+CREATE FUNCTION pgbroker._advisory_held(p_class integer, p_key integer, p_shared boolean)
+RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT EXISTS (SELECT FROM pg_catalog.pg_locks l
+                    WHERE l.locktype = 'advisory'
+                      AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
+                      AND l.classid = p_class::oid AND l.objid = p_key::oid AND l.objsubid = 2
+                      AND l.pid = pg_catalog.pg_backend_pid() AND l.granted
+                      AND l.mode = CASE WHEN p_shared THEN 'ShareLock' ELSE 'ExclusiveLock' END)
+$$;
+COMMENT ON FUNCTION pgbroker._advisory_held(integer, integer, boolean) IS
+    'Internal: whether this session holds advisory lock (p_class, p_key) in the mode p_shared names (pg_locks: session or transaction scope).';
+
+-- A session hold of advisory lock (p_class, p_key) made a transaction hold:
+-- taken at once (the session holds it), then the session hold goes.
+CREATE FUNCTION pgbroker._advisory_to_xact(p_class integer, p_key integer, p_shared boolean)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF p_shared THEN
+        PERFORM pg_advisory_xact_lock_shared(p_class, p_key);
+        PERFORM pg_advisory_unlock_shared(p_class, p_key);
+    ELSE
+        PERFORM pg_advisory_xact_lock(p_class, p_key);
+        PERFORM pg_advisory_unlock(p_class, p_key);
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._advisory_to_xact(integer, integer, boolean) IS
+    'Internal: turn this session''s hold of advisory lock (p_class, p_key) into a hold for the transaction.';
+
+-- Wait at most p_wait (NULL: without limit) for advisory lock (p_class,
+-- p_key) in the mode p_shared names, held for the session, or for the
+-- transaction with p_xact.  The caller has just tried it and failed, so this
+-- session does not hold it in that mode (a session's own holds never
+-- conflict with its requests): a grant that pg_locks shows after the wait
+-- was made to this call.
+CREATE FUNCTION pgbroker._advisory_wait(p_class integer, p_key integer, p_shared boolean, p_xact boolean, p_wait interval)
+RETURNS boolean
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_timeout text := current_setting('lock_timeout');
+    v_got boolean;
+BEGIN
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        IF p_shared THEN
+            PERFORM pg_advisory_lock_shared(p_class, p_key);
+        ELSE
+            PERFORM pg_advisory_lock(p_class, p_key);
+        END IF;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+        IF p_xact THEN
+            PERFORM pgbroker._advisory_to_xact(p_class, p_key, p_shared);
+        END IF;
+        RETURN true;
+    EXCEPTION
+        WHEN lock_not_available THEN
+            -- The wait ran out; granted all the same at that moment?  (The
+            -- block's rollback has restored lock_timeout.)
+            v_got := pgbroker._advisory_held(p_class, p_key, p_shared);
+        WHEN query_canceled OR others THEN
+            -- In the block, a transaction hold was undone with it; a session
+            -- hold is not: give it back.
+            IF pgbroker._advisory_held(p_class, p_key, p_shared) THEN
+                IF p_shared THEN
+                    PERFORM pg_advisory_unlock_shared(p_class, p_key);
+                ELSE
+                    PERFORM pg_advisory_unlock(p_class, p_key);
+                END IF;
+            END IF;
+            RAISE;
+    END;
+    IF v_got AND p_xact THEN
+        PERFORM pgbroker._advisory_to_xact(p_class, p_key, p_shared);
+    END IF;
+    RETURN v_got;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._advisory_wait(integer, integer, boolean, boolean, interval) IS
+    'Internal: wait at most p_wait (NULL: no limit) for advisory lock (p_class, p_key), shared or exclusive, for the session or (p_xact) the transaction; true when acquired, also when granted just as the wait ran out; an error during the wait leaves no hold behind. Call it only after a failed try.';
+
+-- ---------------------------------------------------------------------------
 -- Turning the claim's transaction lock into a session lock, at commit.
 
 -- Record, the first time a transaction changes a lease's holder, whether this
@@ -717,7 +828,10 @@ BEGIN
         -- First claim of this name.  Only then INSERT: an INSERT ... ON
         -- CONFLICT waits for any open transaction that changed the row, which
         -- would make wait => '0' block.  It still waits for a concurrent
-        -- first claim of the same name; that wait is bounded by p_wait.
+        -- first claim of the same name; that wait is bounded by p_wait.  A
+        -- grant just as the wait runs out is undone with the block, INSERT
+        -- and all, and the claim fails: right, as the other claim, which
+        -- holds the lease's lock, was open throughout.
         BEGIN
             PERFORM set_config('lock_timeout',
                                pgbroker._wait_ms(CASE WHEN v_deadline IS NOT NULL
@@ -789,15 +903,11 @@ BEGIN
                                  + '50 ms'::interval);
             END IF;
         END IF;
-        BEGIN
-            PERFORM set_config('lock_timeout', pgbroker._wait_ms(v_slice), true);
-            PERFORM pg_advisory_xact_lock(pgbroker._lock_class(), v_lease.lock_key);
-            PERFORM set_config('lock_timeout', v_old_timeout, true);
-            v_got := true;
-        EXCEPTION WHEN lock_not_available THEN
-            -- Someone else got the lock of the holder we terminated.
-            EXIT WHEN v_killed IS NOT NULL;
-        END;
+        -- Waits on a session lock and then holds the lock for the transaction
+        -- (a grant just as the slice ran out counts: see _advisory_wait).
+        v_got := pgbroker._advisory_wait(pgbroker._lock_class(), v_lease.lock_key, false, true, v_slice);
+        -- Not got: someone else got the lock of the holder we terminated.
+        EXIT WHEN NOT v_got AND v_killed IS NOT NULL;
     END LOOP;
 
     IF NOT v_got THEN

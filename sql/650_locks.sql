@@ -111,6 +111,11 @@ BEGIN
     IF FOUND AND v_row.retired_xid IS NULL THEN
         RETURN v_row;
     END IF;
+    -- A timed wait for a row (its registering transaction, or maintain()).  A
+    -- grant just as it runs out is undone with the block, and the caller
+    -- says "not acquired": the registering transaction holds the name's lock
+    -- until it ends (a maintain() forgetting the name does not: then the
+    -- name was busy without a holder, for that moment; sql/README.md).
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
@@ -146,7 +151,6 @@ DECLARE
     v_registered xid8;
     v_retired boolean;
     v_row pgbroker.lock_name;
-    v_timeout text;
 BEGIN
     -- The hot path: checks inline, one index probe, the lock.
     IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
@@ -184,35 +188,24 @@ BEGIN
         END IF;
         RETURN true;
     END IF;
-    IF lock_acquire.wait IS NULL AND current_setting('lock_timeout') = '0' THEN
-        -- Wait as long as it takes, and the session sets no lock_timeout: no
-        -- timeout to set or catch (a subtransaction and two set_config calls
-        -- less; the common call).
-        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
-                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
-                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
-                     ELSE pg_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
+    -- Try first: the common case (the lock is free, or this session holds it
+    -- in this mode already) takes no subtransaction.
+    IF (CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
+             WHEN lock_acquire.xact THEN pg_try_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
+             WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
+             ELSE pg_try_advisory_lock(pgbroker._lock_class_lock(), v_key) END) THEN
         RETURN true;
     END IF;
     IF lock_acquire.wait = '0'::interval THEN
-        RETURN CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
-                    WHEN lock_acquire.xact THEN pg_try_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
-                    WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
-                    ELSE pg_try_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
-    END IF;
-    v_timeout := current_setting('lock_timeout');
-    BEGIN
-        PERFORM set_config('lock_timeout', pgbroker._wait_ms(lock_acquire.wait), true);
-        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
-                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
-                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
-                     ELSE pg_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
-        PERFORM set_config('lock_timeout', v_timeout, true);
-    EXCEPTION WHEN lock_not_available THEN
-        PERFORM set_config('lock_timeout', v_timeout, true);
         RETURN false;
-    END;
-    RETURN true;
+    END IF;
+    -- Wait (NULL: as long as it takes, whatever the session's lock_timeout).
+    -- A lock granted just as the wait runs out counts as acquired, and is
+    -- held; an error during the wait leaves no hold behind (_advisory_wait,
+    -- 100_lease.sql).  So true means held, and false that another session
+    -- held the lock while this call waited, which changed nothing.
+    RETURN pgbroker._advisory_wait(pgbroker._lock_class_lock(), v_key, lock_acquire.shared, lock_acquire.xact,
+                                   lock_acquire.wait);
 END
 $$;
 COMMENT ON FUNCTION pgbroker.lock_acquire(text, interval, boolean, boolean) IS

@@ -113,6 +113,8 @@ BEGIN
     IF cardinality(v_keys) = p_limit AND NOT v_retired THEN
         RETURN v_keys;
     END IF;
+    -- A timed wait for rows, as in _lock_key (650_locks.sql): what it was
+    -- granted is undone with the block when it runs out.
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
@@ -167,7 +169,6 @@ DECLARE
     v_got integer;
     v_deadline timestamptz;
     v_watch integer;
-    v_timeout text;
 BEGIN
     -- The hot path: checks inline, one registry query, the tries inline (no
     -- helper calls, each of which would set the search_path again).
@@ -214,20 +215,18 @@ BEGIN
     END IF;
     v_deadline := clock_timestamp() + semaphore_acquire.wait;   -- NULL: no deadline
     v_watch := pg_backend_pid() % semaphore_acquire."limit";
-    v_timeout := current_setting('lock_timeout');
     LOOP
         EXIT WHEN clock_timestamp() >= v_deadline;
         v_watch := v_watch % semaphore_acquire."limit" + 1;
-        BEGIN
-            PERFORM set_config('lock_timeout',
-                               pgbroker._wait_ms(greatest(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms'),
-                                                          '0'::interval)), true);
-            PERFORM pg_advisory_lock(pgbroker._lock_class_permit(), v_keys[v_watch]);
-            PERFORM set_config('lock_timeout', v_timeout, true);
+        -- Every try failed, so this session holds none of the permits: a
+        -- permit granted just as the slice runs out is counted, and kept
+        -- (_advisory_wait, 100_lease.sql); an error during the wait leaves
+        -- no permit behind.
+        IF pgbroker._advisory_wait(pgbroker._lock_class_permit(), v_keys[v_watch], false, false,
+                                   greatest(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms'),
+                                            '0'::interval)) THEN
             RETURN v_watch;
-        EXCEPTION WHEN lock_not_available THEN
-            PERFORM set_config('lock_timeout', v_timeout, true);
-        END;
+        END IF;
         v_got := pgbroker._semaphore_try(v_keys, v_own);
         IF v_got IS NOT NULL THEN
             RETURN v_got;

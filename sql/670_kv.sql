@@ -94,9 +94,16 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     PERFORM pg_advisory_lock_shared(pgbroker._lock_class_kv(), 1);
-    PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
-    -- Wait for the writes that looked for watchers before we registered.
-    PERFORM pg_advisory_xact_lock(pgbroker._lock_class_kv(), 0);
+    BEGIN
+        PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
+        -- Wait for the writes that looked for watchers before we registered.
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_kv(), 0);
+    EXCEPTION WHEN query_canceled OR others THEN
+        -- A cancel or statement_timeout while waiting: not registered (the
+        -- session lock above outlives the error, so it goes here).
+        PERFORM pg_advisory_unlock_shared(pgbroker._lock_class_kv(), 1);
+        RAISE;
+    END;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_watch_begin() IS
@@ -160,16 +167,39 @@ BEGIN
         RAISE EXCEPTION 'version must not be negative, got %', kv_set.version USING ERRCODE = 'invalid_parameter_value';
     END IF;
     v_expires := v_now + kv_set.ttl;
+    -- Versions: a change takes its version only while it holds the key, so
+    -- that versions grow in the order the changes commit.  Every change of a
+    -- key holds it until its transaction ends: an update or a delete holds
+    -- the row's lock, an insert its new row (a concurrent insert of the key
+    -- waits for it, a concurrent update or delete does not see it).  A
+    -- number taken while holding the key is therefore greater than the number
+    -- of every change of the key that committed before, and smaller than the
+    -- number of every change after: those wait for this one to end before
+    -- they take theirs.  (A nextval() in the INSERT's VALUES would be taken
+    -- before ON CONFLICT waits for the row: a change that committed while it
+    -- waited would carry a greater version than this later one, issue 41.)
     IF kv_set.version IS NULL OR kv_set.version = 0 THEN
         -- Plain set, or "must not exist" (an expired entry counts as absent).
+        -- ON CONFLICT's SET runs with the row locked; a new row is inserted
+        -- with version 0 (never a real version, and seen by this transaction
+        -- only) and numbered by the UPDATE below, once it is in place.
         INSERT INTO pgbroker.kv_entry AS e (key, value, version, updated_at, expires_at)
-        VALUES (v_key, kv_set.value, nextval('pgbroker.kv_version_seq'), v_now, v_expires)
+        VALUES (v_key, kv_set.value, 0, v_now, v_expires)
         ON CONFLICT ON CONSTRAINT kv_entry_pkey DO UPDATE
-           SET value = excluded.value, version = excluded.version, updated_at = excluded.updated_at,
+           SET value = excluded.value, version = nextval('pgbroker.kv_version_seq'), updated_at = excluded.updated_at,
                expires_at = excluded.expires_at
          WHERE kv_set.version IS NULL OR e.expires_at <= v_now
         RETURNING e.version INTO v_new;
+        IF v_new = 0 THEN
+            UPDATE pgbroker.kv_entry AS e SET version = nextval('pgbroker.kv_version_seq')
+             WHERE e.key = v_key
+            RETURNING e.version INTO v_new;
+        END IF;
     ELSE
+        -- Compare-and-set: the row is updated only if it still carries the
+        -- version the scan read (after a concurrent change, the re-check of
+        -- the WHERE fails), so no change of the key committed between this
+        -- nextval() and the update, and the number exceeds that version.
         UPDATE pgbroker.kv_entry AS e
            SET value = kv_set.value, version = nextval('pgbroker.kv_version_seq'), updated_at = v_now,
                expires_at = v_expires
@@ -203,6 +233,7 @@ BEGIN
      WHERE e.key = v_key AND (kv_delete.version IS NULL OR e.version = kv_delete.version)
     RETURNING e.expires_at IS NULL OR e.expires_at > v_now INTO v_live;
     IF v_live THEN
+        -- Numbered after the DELETE, which holds the row: see kv_set.
         PERFORM pgbroker._kv_announce(v_key, nextval('pgbroker.kv_version_seq'), true);
     END IF;
     RETURN coalesce(v_live, false);

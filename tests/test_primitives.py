@@ -36,6 +36,7 @@ from pgbroker import (
     AsyncLock,
     AsyncSemaphore,
     Counter,
+    DatabaseError,
     InvalidArgument,
     KVChange,
     Lock,
@@ -272,6 +273,68 @@ def test_kv_compare_and_set(connect: Connect):
     v3 = kv_set(conn, "cfg", "again", version=0)
     assert v3 > v2 + 1  # the delete took a version too: versions grow across delete and set
     assert kv_set(conn, "cfg", None if False else "x") > v3  # plain set always writes
+
+
+def test_python_lock_wait_cut_off_by_statement_timeout_leaves_no_hold(connect: Connect):
+    """The Lock's wait by cached key, cut off by statement_timeout: an error, and no hold left behind."""
+    a, b, admin = connect("A", user="t_user"), connect("B", user="t_user"), connect("admin")
+    lock = Lock(a, "cut")
+    assert lock.acquire() is True
+    lock.release()
+    assert "cut" in lock_keys(a)  # the next acquire waits by key
+    assert acquire(b, "cut") is True
+    a.execute("SET statement_timeout = '200ms'")
+    with pytest.raises(DatabaseError) as cut:
+        Lock(a, "cut").acquire()
+    assert cut.value.sqlstate == "57014"
+    assert one(admin, "SELECT count(*) FROM pg_locks WHERE pid = %s AND locktype = 'advisory'", a.info.backend_pid) == 0
+
+
+def test_kv_set_that_waited_for_the_key_takes_a_greater_version(connect: Connect):
+    """Issue 41, forced: a set that waits for the row takes its version after the wait, so it is
+    greater than every version of the key that committed meanwhile (also after a delete)."""
+    a = connect("A", user="t_user", autocommit=False)
+    b, admin = connect("B", user="t_user"), connect("admin")
+    kv_set(b, "hot", 0)
+    first = kv_set(a, "hot", 1)  # a holds the row
+    thread, out = in_thread(lambda: kv_set(b, "hot", 2))
+    wait_for(lambda: blocked(admin, b.info.backend_pid))
+    second = kv_set(a, "hot", 3)  # a version taken after b began
+    a.commit()
+    thread.join(5)
+    assert "value" in out, out
+    assert first < second < out["value"]
+    assert b.execute("SELECT value, version FROM pgbroker.kv_get('hot')").fetchone() == (2, out["value"])
+    # A set that waits for a delete of the key inserts a new row, numbered after what committed meanwhile.
+    assert one(a, "SELECT pgbroker.kv_delete('hot')") is True
+    thread, out = in_thread(lambda: kv_set(b, "hot", 4))
+    wait_for(lambda: blocked(admin, b.info.backend_pid))
+    meanwhile = kv_set(a, "elsewhere", 5)
+    a.commit()
+    thread.join(5)
+    assert "value" in out, out
+    assert out["value"] > meanwhile > second
+
+
+def test_timed_lock_waits_hold_what_they_say(connect: Connect):
+    """A transaction-scope wait ends holding the lock for its transaction only; a wait cut off by
+    statement_timeout leaves no hold behind."""
+    a, b, admin = connect("A", user="t_user"), connect("B", user="t_user", autocommit=False), connect("admin")
+    assert acquire(a, "waited") is True
+    thread, out = in_thread(lambda: acquire(b, "waited", wait="5 s", xact=True))
+    wait_for(lambda: blocked(admin, b.info.backend_pid))
+    assert release(a, "waited") is True
+    thread.join(5)
+    assert out.get("value") is True, out
+    assert acquire(a, "waited") is False  # held for b's transaction ...
+    b.commit()
+    assert acquire(a, "waited") is True  # ... and no session hold of b's left behind
+    b.autocommit = True
+    b.execute("SET statement_timeout = '200ms'")
+    for wait in (None, "5 s"):
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            acquire(b, "waited", wait=wait)
+    assert one(admin, "SELECT count(*) FROM pg_locks WHERE pid = %s AND locktype = 'advisory'", b.info.backend_pid) == 0
 
 
 def test_kv_expiry_counts_as_absent(connect: Connect):

@@ -812,6 +812,117 @@ COMMENT ON FUNCTION pgbroker._wait_ms(interval) IS
     'Internal: a wait interval as a lock_timeout in ms (NULL gives 0, i.e. no limit); 22023 when negative or over 24 days.';
 
 -- ---------------------------------------------------------------------------
+-- Timed waits on advisory locks, right by construction.
+--
+-- A wait with lock_timeout can end with the lock granted AND the timeout
+-- error raised: the releaser grants the lock to the first waiter in shared
+-- memory while the waiter's timer fires; the waiter then processes the
+-- pending cancel inside its wait, and its error cleanup (LockErrorCleanup)
+-- finds the grant and records it.  A session-level lock outlives the
+-- rollback of the EXCEPTION block, so a caller that answered "not acquired"
+-- kept the lock (issue 41); a transaction-level one is given back by that
+-- rollback, so for an instant the lock was held by a call that answers "not
+-- acquired", and a try by anyone else in that instant failed although nobody
+-- held it.  Both are not linearizable.  So every timed wait on an advisory
+-- lock goes through _advisory_wait: it waits on a session-level lock,
+-- asks pg_locks after a timeout whether the lock was granted all the same,
+-- and counts such a grant as acquired (the lock was granted within the call,
+-- and the call says so); a transaction-scope wait then holds the lock for
+-- the transaction and drops the session hold (at once: both are its own).
+-- Any other error during the wait (a cancel, statement_timeout, a deadlock)
+-- gives a lock granted meanwhile back before it is raised again: an error
+-- means not acquired.
+
+-- Does this session hold advisory lock (p_class, p_key) in this mode (any scope)?
+CREATE FUNCTION pgbroker._advisory_held(p_class integer, p_key integer, p_shared boolean)
+RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT EXISTS (SELECT FROM pg_catalog.pg_locks l
+                    WHERE l.locktype = 'advisory'
+                      AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
+                      AND l.classid = p_class::oid AND l.objid = p_key::oid AND l.objsubid = 2
+                      AND l.pid = pg_catalog.pg_backend_pid() AND l.granted
+                      AND l.mode = CASE WHEN p_shared THEN 'ShareLock' ELSE 'ExclusiveLock' END)
+$$;
+COMMENT ON FUNCTION pgbroker._advisory_held(integer, integer, boolean) IS
+    'Internal: whether this session holds advisory lock (p_class, p_key) in the mode p_shared names (pg_locks: session or transaction scope).';
+
+-- A session hold of advisory lock (p_class, p_key) made a transaction hold:
+-- taken at once (the session holds it), then the session hold goes.
+CREATE FUNCTION pgbroker._advisory_to_xact(p_class integer, p_key integer, p_shared boolean)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF p_shared THEN
+        PERFORM pg_advisory_xact_lock_shared(p_class, p_key);
+        PERFORM pg_advisory_unlock_shared(p_class, p_key);
+    ELSE
+        PERFORM pg_advisory_xact_lock(p_class, p_key);
+        PERFORM pg_advisory_unlock(p_class, p_key);
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._advisory_to_xact(integer, integer, boolean) IS
+    'Internal: turn this session''s hold of advisory lock (p_class, p_key) into a hold for the transaction.';
+
+-- Wait at most p_wait (NULL: without limit) for advisory lock (p_class,
+-- p_key) in the mode p_shared names, held for the session, or for the
+-- transaction with p_xact.  The caller has just tried it and failed, so this
+-- session does not hold it in that mode (a session's own holds never
+-- conflict with its requests): a grant that pg_locks shows after the wait
+-- was made to this call.
+CREATE FUNCTION pgbroker._advisory_wait(p_class integer, p_key integer, p_shared boolean, p_xact boolean, p_wait interval)
+RETURNS boolean
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_timeout text := current_setting('lock_timeout');
+    v_got boolean;
+BEGIN
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        IF p_shared THEN
+            PERFORM pg_advisory_lock_shared(p_class, p_key);
+        ELSE
+            PERFORM pg_advisory_lock(p_class, p_key);
+        END IF;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+        IF p_xact THEN
+            PERFORM pgbroker._advisory_to_xact(p_class, p_key, p_shared);
+        END IF;
+        RETURN true;
+    EXCEPTION
+        WHEN lock_not_available THEN
+            -- The wait ran out; granted all the same at that moment?  (The
+            -- block's rollback has restored lock_timeout.)
+            v_got := pgbroker._advisory_held(p_class, p_key, p_shared);
+        WHEN query_canceled OR others THEN
+            -- In the block, a transaction hold was undone with it; a session
+            -- hold is not: give it back.
+            IF pgbroker._advisory_held(p_class, p_key, p_shared) THEN
+                IF p_shared THEN
+                    PERFORM pg_advisory_unlock_shared(p_class, p_key);
+                ELSE
+                    PERFORM pg_advisory_unlock(p_class, p_key);
+                END IF;
+            END IF;
+            RAISE;
+    END;
+    IF v_got AND p_xact THEN
+        PERFORM pgbroker._advisory_to_xact(p_class, p_key, p_shared);
+    END IF;
+    RETURN v_got;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._advisory_wait(integer, integer, boolean, boolean, interval) IS
+    'Internal: wait at most p_wait (NULL: no limit) for advisory lock (p_class, p_key), shared or exclusive, for the session or (p_xact) the transaction; true when acquired, also when granted just as the wait ran out; an error during the wait leaves no hold behind. Call it only after a failed try.';
+
+-- ---------------------------------------------------------------------------
 -- Turning the claim's transaction lock into a session lock, at commit.
 
 -- Record, the first time a transaction changes a lease's holder, whether this
@@ -1087,7 +1198,10 @@ BEGIN
         -- First claim of this name.  Only then INSERT: an INSERT ... ON
         -- CONFLICT waits for any open transaction that changed the row, which
         -- would make wait => '0' block.  It still waits for a concurrent
-        -- first claim of the same name; that wait is bounded by p_wait.
+        -- first claim of the same name; that wait is bounded by p_wait.  A
+        -- grant just as the wait runs out is undone with the block, INSERT
+        -- and all, and the claim fails: right, as the other claim, which
+        -- holds the lease's lock, was open throughout.
         BEGIN
             PERFORM set_config('lock_timeout',
                                pgbroker._wait_ms(CASE WHEN v_deadline IS NOT NULL
@@ -1159,15 +1273,11 @@ BEGIN
                                  + '50 ms'::interval);
             END IF;
         END IF;
-        BEGIN
-            PERFORM set_config('lock_timeout', pgbroker._wait_ms(v_slice), true);
-            PERFORM pg_advisory_xact_lock(pgbroker._lock_class(), v_lease.lock_key);
-            PERFORM set_config('lock_timeout', v_old_timeout, true);
-            v_got := true;
-        EXCEPTION WHEN lock_not_available THEN
-            -- Someone else got the lock of the holder we terminated.
-            EXIT WHEN v_killed IS NOT NULL;
-        END;
+        -- Waits on a session lock and then holds the lock for the transaction
+        -- (a grant just as the slice ran out counts: see _advisory_wait).
+        v_got := pgbroker._advisory_wait(pgbroker._lock_class(), v_lease.lock_key, false, true, v_slice);
+        -- Not got: someone else got the lock of the holder we terminated.
+        EXIT WHEN NOT v_got AND v_killed IS NOT NULL;
     END LOOP;
 
     IF NOT v_got THEN
@@ -4030,6 +4140,11 @@ BEGIN
     IF FOUND AND v_row.retired_xid IS NULL THEN
         RETURN v_row;
     END IF;
+    -- A timed wait for a row (its registering transaction, or maintain()).  A
+    -- grant just as it runs out is undone with the block, and the caller
+    -- says "not acquired": the registering transaction holds the name's lock
+    -- until it ends (a maintain() forgetting the name does not: then the
+    -- name was busy without a holder, for that moment; sql/README.md).
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
@@ -4065,7 +4180,6 @@ DECLARE
     v_registered xid8;
     v_retired boolean;
     v_row pgbroker.lock_name;
-    v_timeout text;
 BEGIN
     -- The hot path: checks inline, one index probe, the lock.
     IF v_name IS NULL OR v_name = '' OR octet_length(v_name) > 200 THEN
@@ -4103,35 +4217,24 @@ BEGIN
         END IF;
         RETURN true;
     END IF;
-    IF lock_acquire.wait IS NULL AND current_setting('lock_timeout') = '0' THEN
-        -- Wait as long as it takes, and the session sets no lock_timeout: no
-        -- timeout to set or catch (a subtransaction and two set_config calls
-        -- less; the common call).
-        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
-                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
-                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
-                     ELSE pg_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
+    -- Try first: the common case (the lock is free, or this session holds it
+    -- in this mode already) takes no subtransaction.
+    IF (CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
+             WHEN lock_acquire.xact THEN pg_try_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
+             WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
+             ELSE pg_try_advisory_lock(pgbroker._lock_class_lock(), v_key) END) THEN
         RETURN true;
     END IF;
     IF lock_acquire.wait = '0'::interval THEN
-        RETURN CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_try_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
-                    WHEN lock_acquire.xact THEN pg_try_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
-                    WHEN lock_acquire.shared THEN pg_try_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
-                    ELSE pg_try_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
-    END IF;
-    v_timeout := current_setting('lock_timeout');
-    BEGIN
-        PERFORM set_config('lock_timeout', pgbroker._wait_ms(lock_acquire.wait), true);
-        PERFORM CASE WHEN lock_acquire.xact AND lock_acquire.shared THEN pg_advisory_xact_lock_shared(pgbroker._lock_class_lock(), v_key)
-                     WHEN lock_acquire.xact THEN pg_advisory_xact_lock(pgbroker._lock_class_lock(), v_key)
-                     WHEN lock_acquire.shared THEN pg_advisory_lock_shared(pgbroker._lock_class_lock(), v_key)
-                     ELSE pg_advisory_lock(pgbroker._lock_class_lock(), v_key) END;
-        PERFORM set_config('lock_timeout', v_timeout, true);
-    EXCEPTION WHEN lock_not_available THEN
-        PERFORM set_config('lock_timeout', v_timeout, true);
         RETURN false;
-    END;
-    RETURN true;
+    END IF;
+    -- Wait (NULL: as long as it takes, whatever the session's lock_timeout).
+    -- A lock granted just as the wait runs out counts as acquired, and is
+    -- held; an error during the wait leaves no hold behind (_advisory_wait,
+    -- 100_lease.sql).  So true means held, and false that another session
+    -- held the lock while this call waited, which changed nothing.
+    RETURN pgbroker._advisory_wait(pgbroker._lock_class_lock(), v_key, lock_acquire.shared, lock_acquire.xact,
+                                   lock_acquire.wait);
 END
 $$;
 COMMENT ON FUNCTION pgbroker.lock_acquire(text, interval, boolean, boolean) IS
@@ -4415,6 +4518,8 @@ BEGIN
     IF cardinality(v_keys) = p_limit AND NOT v_retired THEN
         RETURN v_keys;
     END IF;
+    -- A timed wait for rows, as in _lock_key (650_locks.sql): what it was
+    -- granted is undone with the block when it runs out.
     v_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
@@ -4469,7 +4574,6 @@ DECLARE
     v_got integer;
     v_deadline timestamptz;
     v_watch integer;
-    v_timeout text;
 BEGIN
     -- The hot path: checks inline, one registry query, the tries inline (no
     -- helper calls, each of which would set the search_path again).
@@ -4516,20 +4620,18 @@ BEGIN
     END IF;
     v_deadline := clock_timestamp() + semaphore_acquire.wait;   -- NULL: no deadline
     v_watch := pg_backend_pid() % semaphore_acquire."limit";
-    v_timeout := current_setting('lock_timeout');
     LOOP
         EXIT WHEN clock_timestamp() >= v_deadline;
         v_watch := v_watch % semaphore_acquire."limit" + 1;
-        BEGIN
-            PERFORM set_config('lock_timeout',
-                               pgbroker._wait_ms(greatest(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms'),
-                                                          '0'::interval)), true);
-            PERFORM pg_advisory_lock(pgbroker._lock_class_permit(), v_keys[v_watch]);
-            PERFORM set_config('lock_timeout', v_timeout, true);
+        -- Every try failed, so this session holds none of the permits: a
+        -- permit granted just as the slice runs out is counted, and kept
+        -- (_advisory_wait, 100_lease.sql); an error during the wait leaves
+        -- no permit behind.
+        IF pgbroker._advisory_wait(pgbroker._lock_class_permit(), v_keys[v_watch], false, false,
+                                   greatest(least(coalesce(v_deadline - clock_timestamp(), '100 ms'), '100 ms'),
+                                            '0'::interval)) THEN
             RETURN v_watch;
-        EXCEPTION WHEN lock_not_available THEN
-            PERFORM set_config('lock_timeout', v_timeout, true);
-        END;
+        END IF;
         v_got := pgbroker._semaphore_try(v_keys, v_own);
         IF v_got IS NOT NULL THEN
             RETURN v_got;
@@ -4756,9 +4858,16 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     PERFORM pg_advisory_lock_shared(pgbroker._lock_class_kv(), 1);
-    PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
-    -- Wait for the writes that looked for watchers before we registered.
-    PERFORM pg_advisory_xact_lock(pgbroker._lock_class_kv(), 0);
+    BEGIN
+        PERFORM set_config('pgbroker.kv_watching', 'on', false);   -- this session's own writes: see _kv_announce
+        -- Wait for the writes that looked for watchers before we registered.
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_kv(), 0);
+    EXCEPTION WHEN query_canceled OR others THEN
+        -- A cancel or statement_timeout while waiting: not registered (the
+        -- session lock above outlives the error, so it goes here).
+        PERFORM pg_advisory_unlock_shared(pgbroker._lock_class_kv(), 1);
+        RAISE;
+    END;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.kv_watch_begin() IS
@@ -4822,16 +4931,39 @@ BEGIN
         RAISE EXCEPTION 'version must not be negative, got %', kv_set.version USING ERRCODE = 'invalid_parameter_value';
     END IF;
     v_expires := v_now + kv_set.ttl;
+    -- Versions: a change takes its version only while it holds the key, so
+    -- that versions grow in the order the changes commit.  Every change of a
+    -- key holds it until its transaction ends: an update or a delete holds
+    -- the row's lock, an insert its new row (a concurrent insert of the key
+    -- waits for it, a concurrent update or delete does not see it).  A
+    -- number taken while holding the key is therefore greater than the number
+    -- of every change of the key that committed before, and smaller than the
+    -- number of every change after: those wait for this one to end before
+    -- they take theirs.  (A nextval() in the INSERT's VALUES would be taken
+    -- before ON CONFLICT waits for the row: a change that committed while it
+    -- waited would carry a greater version than this later one, issue 41.)
     IF kv_set.version IS NULL OR kv_set.version = 0 THEN
         -- Plain set, or "must not exist" (an expired entry counts as absent).
+        -- ON CONFLICT's SET runs with the row locked; a new row is inserted
+        -- with version 0 (never a real version, and seen by this transaction
+        -- only) and numbered by the UPDATE below, once it is in place.
         INSERT INTO pgbroker.kv_entry AS e (key, value, version, updated_at, expires_at)
-        VALUES (v_key, kv_set.value, nextval('pgbroker.kv_version_seq'), v_now, v_expires)
+        VALUES (v_key, kv_set.value, 0, v_now, v_expires)
         ON CONFLICT ON CONSTRAINT kv_entry_pkey DO UPDATE
-           SET value = excluded.value, version = excluded.version, updated_at = excluded.updated_at,
+           SET value = excluded.value, version = nextval('pgbroker.kv_version_seq'), updated_at = excluded.updated_at,
                expires_at = excluded.expires_at
          WHERE kv_set.version IS NULL OR e.expires_at <= v_now
         RETURNING e.version INTO v_new;
+        IF v_new = 0 THEN
+            UPDATE pgbroker.kv_entry AS e SET version = nextval('pgbroker.kv_version_seq')
+             WHERE e.key = v_key
+            RETURNING e.version INTO v_new;
+        END IF;
     ELSE
+        -- Compare-and-set: the row is updated only if it still carries the
+        -- version the scan read (after a concurrent change, the re-check of
+        -- the WHERE fails), so no change of the key committed between this
+        -- nextval() and the update, and the number exceeds that version.
         UPDATE pgbroker.kv_entry AS e
            SET value = kv_set.value, version = nextval('pgbroker.kv_version_seq'), updated_at = v_now,
                expires_at = v_expires
@@ -4865,6 +4997,7 @@ BEGIN
      WHERE e.key = v_key AND (kv_delete.version IS NULL OR e.version = kv_delete.version)
     RETURNING e.expires_at IS NULL OR e.expires_at > v_now INTO v_live;
     IF v_live THEN
+        -- Numbered after the DELETE, which holds the row: see kv_set.
         PERFORM pgbroker._kv_announce(v_key, nextval('pgbroker.kv_version_seq'), true);
     END IF;
     RETURN coalesce(v_live, false);
