@@ -61,6 +61,21 @@ def unregister_buffers(conn: psycopg.Connection, ids: list[str]) -> float:
     return statistics.median(counts)
 
 
+def churn_buffers(conn: psycopg.Connection, client_id: str, keys: list[int]) -> dict[str, float]:
+    """Buffers of a client coming back: client_register, subscribe_many of its 10 keys, unsubscribe of one."""
+    return {
+        "register": buffers(conn, "SELECT pgbroker.client_register(%s, name => %s)", (client_id, LEASE)),
+        "subscribe_many": buffers(
+            conn,
+            "SELECT pgbroker.subscribe_many(%s::text[], 'initech.objects', %s::jsonb[], name => %s)",
+            ([client_id] * len(keys), [json.dumps(k) for k in keys], LEASE),
+        ),
+        "unsubscribe": buffers(
+            conn, "SELECT pgbroker.unsubscribe(%s, 'initech.objects', %s, name => %s)", (client_id, str(keys[0]), LEASE)
+        ),
+    }
+
+
 def test_unregister_costs_its_own_subscriptions_whatever_the_size_and_backlog(connect, watch_mode):
     broker = connect("broker")
     stale_statistics(broker)
@@ -70,8 +85,13 @@ def test_unregister_costs_its_own_subscriptions_whatever_the_size_and_backlog(co
     load(broker, 0, 1_000, 1_000)
     broker.execute("SELECT pgbroker.client_unregister('c999', name => %s)", (LEASE,))  # plans cached, as in a broker
     small = unregister_buffers(broker, [f"c{i}" for i in range(0, 900, 100)])
+    churn_buffers(broker, "warm", list(range(10)))
+    small_back = churn_buffers(broker, "back0", list(range(100, 110)))
     load(broker, 1_000, rows, rows)
     large = unregister_buffers(broker, [f"c{i}" for i in range(1_001, rows, 3_000)])
+    large_back = churn_buffers(broker, "back1", list(range(20_100, 20_110)))
+    for call, count in small_back.items():
+        assert large_back[call] <= 2 * count, (call, small_back, large_back)
     # 100,000 pending outbox rows, each naming 10 clients (none fetched).
     for _ in range(4):
         broker.execute("UPDATE initech.objects SET name = md5(random()::text) WHERE id < 25000")
@@ -181,3 +201,24 @@ def test_fetch_leaves_departed_clients_out_of_pending_rows(connect, watch_mode):
     assert [(key, clients) for _, key, clients in fetched] == [(1, ["a"]), (2, ["c"])]
     assert broker.execute("SELECT count(*) FROM pgbroker.outbox WHERE name = %s", (LEASE,)).fetchone()[0] == 0
     assert fetch_all(broker) == []
+
+
+def test_a_sweep_batch_costs_its_batch_whatever_an_earlier_epoch_left(connect):
+    """broker_sweep (and so maintain) after a takeover, on statistics of before the earlier epoch's bulk load."""
+    broker, heir = connect("broker"), connect("heir")
+    stale_statistics(broker)
+    broker.execute("INSERT INTO initech.objects (id) SELECT g FROM generate_series(0, 29999) g")
+    counts = []
+    for clients in (1_000, 30_000):
+        broker.execute("SELECT pgbroker.broker_claim(%s)", (LEASE,))
+        load(broker, 0, clients, clients)
+        broker.execute("UPDATE initech.objects SET name = md5(random()::text) WHERE id < 5000")
+        broker.execute("SELECT pgbroker.broker_release(%s)", (LEASE,))
+        heir.execute("SELECT pgbroker.broker_claim(%s)", (LEASE,))
+        counts.append(
+            statistics.median(buffers(heir, "SELECT pgbroker.broker_sweep(%s, 1000)", (LEASE,)) for _ in range(3))
+        )
+        while heir.execute("SELECT pgbroker.broker_sweep(%s, 100000)", (LEASE,)).fetchone()[0]:
+            pass
+        heir.execute("SELECT pgbroker.broker_release(%s)", (LEASE,))
+    assert counts[1] <= 2 * counts[0], counts
