@@ -92,10 +92,13 @@ COMMENT ON FUNCTION pgbroker._registry_subscription_event(text, text, bigint, te
 
 -- Strike client_ids[i] from the interest row (watch_ids[i], row_keys[i],
 -- names[i], epochs[i]), for every i, deleting the rows left with none.
--- One statement per row, each a probe by its whole key (never a join the
--- planner could turn into a scan of a broker's interest on stale
--- statistics), in key order, so that two of these never wait for each other
--- in a cycle: the cost is that of the rows named, whatever the table holds.
+-- Three statements whatever the number of rows, each finding every row by a
+-- probe on its whole key (a LATERAL subquery the planner cannot flatten into
+-- a join, so never a scan of a broker's interest planned on stale
+-- statistics): the cost is that of the rows named, whatever the table holds.
+-- The rows are locked first, in one order (two of these never wait for each
+-- other in a cycle); the next statements, with a snapshot taken after those
+-- locks, find each row as it was locked and change it by its ctid.
 CREATE FUNCTION pgbroker._interest_shrink(p_watch_ids integer[], p_row_keys jsonb[], p_names text[], p_epochs bigint[],
                                           p_client_ids text[])
 RETURNS void
@@ -103,30 +106,54 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_row record;
-    v_left integer;
+    v_watch_ids integer[];
+    v_row_keys jsonb[];
+    v_names text[];
+    v_epochs bigint[];
 BEGIN
-    FOR v_row IN SELECT u.watch_id, u.row_key, u.name, u.epoch, array_agg(u.client_id) AS gone
-                   FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs, p_client_ids)
-                        AS u(watch_id, row_key, name, epoch, client_id)
-                  GROUP BY u.watch_id, u.row_key, u.name, u.epoch
-                  ORDER BY u.watch_id, u.row_key, u.name, u.epoch LOOP
+    PERFORM
+       FROM (SELECT DISTINCT u.watch_id, u.row_key, u.name, u.epoch
+               FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs) AS u(watch_id, row_key, name, epoch)
+              ORDER BY u.watch_id, u.row_key, u.name, u.epoch) g
+      CROSS JOIN LATERAL (SELECT FROM pgbroker.interest i
+                           WHERE i.watch_id = g.watch_id AND i.row_key = g.row_key AND i.name = g.name AND i.epoch = g.epoch
+                             FOR UPDATE) x;
+    WITH gone AS (
+        SELECT u.watch_id, u.row_key, u.name, u.epoch, array_agg(u.client_id) AS gone
+          FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs, p_client_ids) AS u(watch_id, row_key, name, epoch, client_id)
+         GROUP BY u.watch_id, u.row_key, u.name, u.epoch
+    ), shrunk AS (
         UPDATE pgbroker.interest i
-           SET clients = CASE WHEN cardinality(v_row.gone) = 1 THEN array_remove(i.clients, v_row.gone[1])
-                              ELSE ARRAY(SELECT c FROM unnest(i.clients) WITH ORDINALITY AS x(c, n)
-                                          WHERE c <> ALL (v_row.gone) ORDER BY x.n) END
-         WHERE i.watch_id = v_row.watch_id AND i.row_key = v_row.row_key AND i.name = v_row.name AND i.epoch = v_row.epoch
-        RETURNING cardinality(i.clients) INTO v_left;
-        IF v_left = 0 THEN
-            DELETE FROM pgbroker.interest i
-             WHERE i.watch_id = v_row.watch_id AND i.row_key = v_row.row_key AND i.name = v_row.name
-               AND i.epoch = v_row.epoch;
-        END IF;
-    END LOOP;
+           SET clients = CASE WHEN cardinality(r.gone) = 1 THEN array_remove(i.clients, r.gone[1])
+                              ELSE ARRAY(SELECT x.c FROM unnest(i.clients) WITH ORDINALITY AS x(c, n)
+                                          WHERE x.c <> ALL (r.gone) ORDER BY x.n) END
+          FROM (SELECT g.gone, f.ctid AS row_ctid
+                  FROM gone g
+                 CROSS JOIN LATERAL (SELECT j.ctid FROM pgbroker.interest j
+                                      WHERE j.watch_id = g.watch_id AND j.row_key = g.row_key AND j.name = g.name
+                                        AND j.epoch = g.epoch
+                                     OFFSET 0) f) r
+         WHERE i.ctid = r.row_ctid
+        RETURNING i.watch_id, i.row_key, i.name, i.epoch, cardinality(i.clients) AS left_over
+    )
+    SELECT array_agg(s.watch_id), array_agg(s.row_key), array_agg(s.name), array_agg(s.epoch)
+      INTO v_watch_ids, v_row_keys, v_names, v_epochs
+      FROM shrunk s WHERE s.left_over = 0;
+    -- A row can change only once per statement: drop the emptied ones now.
+    IF v_watch_ids IS NOT NULL THEN
+        DELETE FROM pgbroker.interest i
+         USING (SELECT f.ctid AS row_ctid
+                  FROM unnest(v_watch_ids, v_row_keys, v_names, v_epochs) AS e(watch_id, row_key, name, epoch)
+                 CROSS JOIN LATERAL (SELECT j.ctid FROM pgbroker.interest j
+                                      WHERE j.watch_id = e.watch_id AND j.row_key = e.row_key AND j.name = e.name
+                                        AND j.epoch = e.epoch
+                                     OFFSET 0) f) r
+         WHERE i.ctid = r.row_ctid AND cardinality(i.clients) = 0;
+    END IF;
 END
 $$;
 COMMENT ON FUNCTION pgbroker._interest_shrink(integer[], jsonb[], text[], bigint[], text[]) IS
-    'Internal: strike client_ids[i] from the interest row of (watch_ids[i], row_keys[i], names[i], epochs[i]); rows left empty are deleted. A probe per row, in key order.';
+    'Internal: strike client_ids[i] from the interest row of (watch_ids[i], row_keys[i], names[i], epochs[i]); rows left empty are deleted. A probe per row, locked in key order.';
 
 -- Before subscribing to a table: its triggers must be in place (a
 -- subscription to a table whose triggers are gone or disabled would never

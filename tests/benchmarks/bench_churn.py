@@ -136,14 +136,16 @@ def micro(url: str) -> dict[str, Any]:
         conn.execute("SELECT pgbroker.broker_claim(%s)", (LEASE,))
         load(conn, 0, 1_000, 1_000)
         conn.execute("SELECT pgbroker.client_unregister('c999', name => %s)", (LEASE,))  # plans cached
-        small = unregisters(conn, [f"c{i}" for i in range(0, 40 * SAMPLES, 40)])
+        used = [f"c{i}" for i in range(0, 40 * SAMPLES, 40)]
+        small = unregisters(conn, used)
         load(conn, 1_000, CLIENTS, CLIENTS)
-        large = unregisters(conn, [f"c{i}" for i in range(1_001, CLIENTS, CLIENTS // SAMPLES)])
+        ids = [f"c{i}" for i in range(1_001, CLIENTS, CLIENTS // SAMPLES)]
+        large = unregisters(conn, ids)
         pending = backlog(conn, CLIENTS)
-        with_backlog = unregisters(conn, [f"c{i}" for i in range(1_002, CLIENTS, CLIENTS // SAMPLES)])
-        gone = {f"c{i}" for i in range(0, 40 * SAMPLES, 40)} | {f"c{i}" for i in range(1_001, CLIENTS, 1)
-                                                                 if i % (CLIENTS // SAMPLES) in (0, 1)}  # fmt: skip
-        left = [f"c{i}" for i in range(1_003, CLIENTS) if f"c{i}" not in gone][:MASS]
+        ids2 = [f"c{i}" for i in range(1_002, CLIENTS, CLIENTS // SAMPLES)]
+        with_backlog = unregisters(conn, ids2)
+        gone = {*used, *ids, *ids2}
+        left = [c for c in (f"c{i}" for i in range(1_003, CLIENTS)) if c not in gone][:MASS]
         mass = mass_departure(conn, left)
         mass["pending"] = conn.execute("SELECT count(*) FROM pgbroker.outbox WHERE name = %s", (LEASE,)).fetchone()[0]
         conn.execute("SELECT pgbroker.broker_release(%s)", (LEASE,))
