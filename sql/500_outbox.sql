@@ -336,11 +336,14 @@ AS $$
           FROM pgbroker.outbox o
          WHERE o.name = p_name AND o.epoch = p_epoch AND o.clients IS NULL
     ), told AS (
+        -- (The epoch too: with (name, id) alone each row was looked for among all the name's, through the
+        -- index on (name, epoch, id): O(n^2), 146 s for 13,000 rows written while subscribes churned.)
         UPDATE pgbroker.outbox o SET clients = r.clients
           FROM resolved r
-         WHERE o.name = p_name AND o.id = r.id AND r.clients <> '{}'
+         WHERE o.name = p_name AND o.epoch = p_epoch AND o.id = r.id AND r.clients <> '{}'
     )
-    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.name = p_name AND d.id = r.id AND r.clients = '{}';
+    DELETE FROM pgbroker.outbox d USING resolved r
+     WHERE d.name = p_name AND d.epoch = p_epoch AND d.id = r.id AND r.clients = '{}';
 $$;
 COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
     'Internal: give the outbox rows of a broker written with clients NULL the clients subscribed now; drop those with none.';
