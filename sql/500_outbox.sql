@@ -490,7 +490,12 @@ CREATE UNLOGGED TABLE pgbroker.outbox_departed (
     last_id bigint NOT NULL,
     PRIMARY KEY (name, epoch, client_id)
 );
-CREATE INDEX outbox_departed_last_id ON pgbroker.outbox_departed (name, epoch, last_id);
+-- The primary key is the only index: with a second one on (name, epoch,
+-- last_id), a generic plan of the fetch's probe per client took the range
+-- last_id >= id over every departure of the epoch, for each client of each
+-- row (a fetch ran for minutes under churn).  The fetch reads the epoch's
+-- departures above its floor whole, and they are few (those of the last
+-- moments).
 COMMENT ON TABLE pgbroker.outbox_departed IS
     'Internal: clients unregistered while notifications naming them may be pending; outbox_fetch() leaves them out of those rows.';
 COMMENT ON COLUMN pgbroker.outbox_departed.name IS 'The broker (lease name) of the client.';
