@@ -328,22 +328,28 @@ RETURNS void
 LANGUAGE sql
 AS $$
     WITH resolved AS MATERIALIZED (
-        SELECT o.id,
-               ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
-                      WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
-                        AND (o.op = 'T' OR i.row_key IN (o.row_key, 'null'::jsonb))
-                      ORDER BY 1) AS clients
+        SELECT o.ctid AS row_ctid,
+               -- (A row's subscribers by two probes on the interest's whole key: an OR with the
+               -- truncate's case made the planner read the table's whole interest for each row.)
+               CASE WHEN o.op = 'T'
+                    THEN ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                                WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
+                                ORDER BY 1)
+                    ELSE ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                                WHERE i.watch_id = o.watch_id AND i.row_key IN (o.row_key, 'null'::jsonb)
+                                  AND i.name = p_name AND i.epoch = p_epoch
+                                ORDER BY 1) END AS clients
           FROM pgbroker.outbox o
          WHERE o.name = p_name AND o.epoch = p_epoch AND o.clients IS NULL
     ), told AS (
-        -- (The epoch too: with (name, id) alone each row was looked for among all the name's, through the
-        -- index on (name, epoch, id): O(n^2), 146 s for 13,000 rows written while subscribes churned.)
+        -- Each row by its ctid (only this broker's session changes its rows): joined by (name, id), or
+        -- (name, epoch, id) on the plan of a generic estimate of one row, each was looked for among all the
+        -- epoch's rows, O(n^2): a fetch ran for minutes over 13,000 rows written while subscribes churned.
         UPDATE pgbroker.outbox o SET clients = r.clients
           FROM resolved r
-         WHERE o.name = p_name AND o.epoch = p_epoch AND o.id = r.id AND r.clients <> '{}'
+         WHERE o.ctid = r.row_ctid AND r.clients <> '{}'
     )
-    DELETE FROM pgbroker.outbox d USING resolved r
-     WHERE d.name = p_name AND d.epoch = p_epoch AND d.id = r.id AND r.clients = '{}';
+    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.ctid = r.row_ctid AND r.clients = '{}';
 $$;
 COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
     'Internal: give the outbox rows of a broker written with clients NULL the clients subscribed now; drop those with none.';
@@ -561,7 +567,8 @@ AS $$
 DECLARE
     v_last bigint;
 BEGIN
-    SELECT CASE WHEN s.is_called THEN s.last_value ELSE s.last_value - 1 END INTO v_last FROM pgbroker.outbox_id_seq s;
+    -- The last id handed out (NULL, never called: 0), read without a scan of the sequence.
+    v_last := coalesce(pg_sequence_last_value('pgbroker.outbox_id_seq'::regclass), 0);
     -- (Clients of an earlier epoch: their rows are never fetched, and broker_sweep() deletes them.)
     INSERT INTO pgbroker.outbox_departed AS d (name, epoch, client_id, last_id)
     SELECT o.name, o.epoch, o.client_id, v_last

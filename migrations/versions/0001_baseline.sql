@@ -2380,7 +2380,12 @@ CREATE TABLE pgbroker.interest (
     -- the outbox (a lookup per client at fetch time cost the broker ~3 µs each).
     clients text[] NOT NULL,
     PRIMARY KEY (watch_id, row_key, name, epoch)
-);
+)
+-- Room on each page for a row's next version: a subscribe or an unregister
+-- rewrites its row's clients, which no index holds, so the update is HOT
+-- (no index entry to add) when the page has room.  Filled to the brim by a
+-- restart's subscribe_many, every update cost two unique-index insertions.
+WITH (fillfactor = 70);
 -- The broker's rows (the sweep, a TRUNCATE, the fetch's resolution), and
 -- the same key as the primary one in another order, UNIQUE: a statement that
 -- names one row by its whole key is a unique probe by whichever index the
@@ -2418,7 +2423,7 @@ COMMENT ON FUNCTION pgbroker._registry_subscription_event(text, text, bigint, te
 -- a join, so never a scan of a broker's interest planned on stale
 -- statistics): the cost is that of the rows named, whatever the table holds.
 -- The rows are locked first, in one order (two of these never wait for each
--- other in a cycle); the next statements, with a snapshot taken after those
+-- other in a cycle: one order of the keys, by their hashes); the next statements, with a snapshot taken after those
 -- locks, find each row as it was locked and change it by its ctid.
 CREATE FUNCTION pgbroker._interest_shrink(p_watch_ids integer[], p_row_keys jsonb[], p_names text[], p_epochs bigint[],
                                           p_client_ids text[])
@@ -2433,9 +2438,10 @@ DECLARE
     v_epochs bigint[];
 BEGIN
     PERFORM
-       FROM (SELECT DISTINCT u.watch_id, u.row_key, u.name, u.epoch
+       FROM (SELECT u.watch_id, u.row_key, u.name, u.epoch   -- (a row given twice is locked twice: no matter)
                FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs) AS u(watch_id, row_key, name, epoch)
-              ORDER BY u.watch_id, u.row_key, u.name, u.epoch) g
+              -- (jsonb compares slowly: sorting 100,000 keys took 0.4 s; their hashes first, the keys on a tie)
+              ORDER BY u.watch_id, jsonb_hash(u.row_key), u.row_key, u.name, u.epoch) g
       CROSS JOIN LATERAL (SELECT FROM pgbroker.interest i
                            WHERE i.watch_id = g.watch_id AND i.row_key = g.row_key AND i.name = g.name AND i.epoch = g.epoch
                              FOR UPDATE) x;
@@ -2446,8 +2452,7 @@ BEGIN
     ), shrunk AS (
         UPDATE pgbroker.interest i
            SET clients = CASE WHEN cardinality(r.gone) = 1 THEN array_remove(i.clients, r.gone[1])
-                              ELSE ARRAY(SELECT x.c FROM unnest(i.clients) WITH ORDINALITY AS x(c, n)
-                                          WHERE x.c <> ALL (r.gone) ORDER BY x.n) END
+                              ELSE ARRAY(SELECT x.c FROM unnest(i.clients) AS x(c) WHERE x.c <> ALL (r.gone)) END
           FROM (SELECT g.gone, f.ctid AS row_ctid
                   FROM gone g
                  CROSS JOIN LATERAL (SELECT j.ctid FROM pgbroker.interest j
@@ -3063,22 +3068,28 @@ RETURNS void
 LANGUAGE sql
 AS $$
     WITH resolved AS MATERIALIZED (
-        SELECT o.id,
-               ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
-                      WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
-                        AND (o.op = 'T' OR i.row_key IN (o.row_key, 'null'::jsonb))
-                      ORDER BY 1) AS clients
+        SELECT o.ctid AS row_ctid,
+               -- (A row's subscribers by two probes on the interest's whole key: an OR with the
+               -- truncate's case made the planner read the table's whole interest for each row.)
+               CASE WHEN o.op = 'T'
+                    THEN ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                                WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
+                                ORDER BY 1)
+                    ELSE ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                                WHERE i.watch_id = o.watch_id AND i.row_key IN (o.row_key, 'null'::jsonb)
+                                  AND i.name = p_name AND i.epoch = p_epoch
+                                ORDER BY 1) END AS clients
           FROM pgbroker.outbox o
          WHERE o.name = p_name AND o.epoch = p_epoch AND o.clients IS NULL
     ), told AS (
-        -- (The epoch too: with (name, id) alone each row was looked for among all the name's, through the
-        -- index on (name, epoch, id): O(n^2), 146 s for 13,000 rows written while subscribes churned.)
+        -- Each row by its ctid (only this broker's session changes its rows): joined by (name, id), or
+        -- (name, epoch, id) on the plan of a generic estimate of one row, each was looked for among all the
+        -- epoch's rows, O(n^2): a fetch ran for minutes over 13,000 rows written while subscribes churned.
         UPDATE pgbroker.outbox o SET clients = r.clients
           FROM resolved r
-         WHERE o.name = p_name AND o.epoch = p_epoch AND o.id = r.id AND r.clients <> '{}'
+         WHERE o.ctid = r.row_ctid AND r.clients <> '{}'
     )
-    DELETE FROM pgbroker.outbox d USING resolved r
-     WHERE d.name = p_name AND d.epoch = p_epoch AND d.id = r.id AND r.clients = '{}';
+    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.ctid = r.row_ctid AND r.clients = '{}';
 $$;
 COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
     'Internal: give the outbox rows of a broker written with clients NULL the clients subscribed now; drop those with none.';
@@ -3296,7 +3307,8 @@ AS $$
 DECLARE
     v_last bigint;
 BEGIN
-    SELECT CASE WHEN s.is_called THEN s.last_value ELSE s.last_value - 1 END INTO v_last FROM pgbroker.outbox_id_seq s;
+    -- The last id handed out (NULL, never called: 0), read without a scan of the sequence.
+    v_last := coalesce(pg_sequence_last_value('pgbroker.outbox_id_seq'::regclass), 0);
     -- (Clients of an earlier epoch: their rows are never fetched, and broker_sweep() deletes them.)
     INSERT INTO pgbroker.outbox_departed AS d (name, epoch, client_id, last_id)
     SELECT o.name, o.epoch, o.client_id, v_last
