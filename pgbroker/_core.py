@@ -90,6 +90,9 @@ CLIENT_UPDATE_SQL = (
     "SELECT pgbroker.client_update(client_id => %(client_id)s, info => %(info)s, name => %(name)s, epoch => %(epoch)s)"
 )
 UNREGISTER_SQL = "SELECT pgbroker.client_unregister(client_id => %(client_id)s, name => %(name)s, epoch => %(epoch)s)"
+UNREGISTER_MANY_SQL = (
+    "SELECT pgbroker.client_unregister_many(client_ids => %(client_ids)b::text[], name => %(name)s, epoch => %(epoch)s)"
+)
 SUBSCRIBE_SQL = (
     'SELECT pgbroker.subscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, key => %(key)s,'
     " name => %(name)s, epoch => %(epoch)s, wait => %(wait)s)"

@@ -393,3 +393,58 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.client_unregister(text, text, bigint) IS
     'Holder only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';
+
+-- A deploy disconnects every client at once.  Each id is looked up by its
+-- unique key (a probe each, never a plan made on the statistics of a table
+-- just loaded), and the rows go in one DELETE, whose statement triggers
+-- drop their subscriptions and interest (400_subscriptions.sql) and record
+-- their departure from the pending notifications (500_outbox.sql) with all
+-- the rows in hand: 10,000 clients cost what 10,000 clients own.
+CREATE FUNCTION pgbroker.client_unregister_many(client_ids text[], name text DEFAULT 'default', epoch bigint DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(client_unregister_many.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_unregister_many.epoch);
+    v_bad integer;
+    v_gone bigint;
+    v_watched boolean;
+    v_announced bigint;
+BEGIN
+    PERFORM pgbroker._check_arrays('client_ids', array_ndims(client_unregister_many.client_ids),
+                                   cardinality(client_unregister_many.client_ids), NULL, NULL, NULL, true);
+    -- The first bad id, with the error the one-row call gives, naming its position.
+    SELECT min(u.i) INTO v_bad
+      FROM unnest(client_unregister_many.client_ids) WITH ORDINALITY AS u(id, i)
+     WHERE u.id IS NULL OR u.id = '' OR octet_length(u.id) > 200;
+    IF v_bad IS NOT NULL THEN
+        PERFORM pgbroker._check_client_id(client_unregister_many.client_ids[v_bad], format('client_ids[%s]', v_bad));
+    END IF;
+    v_watched := pgbroker._registry_watched(v_name);
+    -- (A FILTER is tested before its aggregate's argument: nothing is
+    -- announced while nobody watches.)
+    WITH gone AS (
+        DELETE FROM pgbroker.client c
+         WHERE c.client_key = ANY (ARRAY(
+                   SELECT x.client_key
+                     FROM (SELECT DISTINCT u.id FROM unnest(client_unregister_many.client_ids) AS u(id)) g
+                    CROSS JOIN LATERAL (SELECT k.client_key FROM pgbroker.client k
+                                         WHERE k.name = v_name AND k.epoch = v_epoch AND k.client_id = g.id
+                                         OFFSET 0) x))
+        RETURNING c.client_id
+    )
+    SELECT count(*),
+           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(v_name),
+                                   pgbroker._registry_client_event('unregister', v_name, v_epoch, r.client_id, NULL))))
+               FILTER (WHERE v_watched)
+      INTO v_gone, v_announced
+      FROM gone r;
+    RETURN v_gone;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.client_unregister_many(text[], text, bigint) IS
+$$Holder only: unregister every client of CLIENT_IDS of lease NAME in one statement, with all their subscriptions; returns how many were registered (ids not registered, or given twice, count once or not at all).
+As client_unregister() otherwise: from the holder's session or with the holder's current EPOCH. 22004 / 22023 for a NULL array or a NULL, empty or too long id, naming its position (client_ids[3]); nothing of the call is kept then.$$;

@@ -59,8 +59,19 @@ CREATE TABLE pgbroker.interest (
     -- the outbox (a lookup per client at fetch time cost the broker ~3 µs each).
     clients text[] NOT NULL,
     PRIMARY KEY (watch_id, row_key, name, epoch)
-);
-CREATE INDEX interest_name_epoch ON pgbroker.interest (name, epoch);
+)
+-- Room on each page for a row's next version: a subscribe or an unregister
+-- rewrites its row's clients, which no index holds, so the update is HOT
+-- (no index entry to add) when the page has room.  Filled to the brim by a
+-- restart's subscribe_many, every update cost two unique-index insertions.
+WITH (fillfactor = 70);
+-- The broker's rows (the sweep, a TRUNCATE, the fetch's resolution), and
+-- the same key as the primary one in another order, UNIQUE: a statement that
+-- names one row by its whole key is a unique probe by whichever index the
+-- planner picks.  As (name, epoch) alone, right after subscribe_many() (no
+-- ANALYZE yet) the planner took the rows of a new epoch for two and read
+-- them all to shrink one client's ten (issue 45).
+CREATE UNIQUE INDEX interest_name_epoch ON pgbroker.interest (name, epoch, watch_id, row_key);
 COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_ids per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
 COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
@@ -84,43 +95,70 @@ $$;
 COMMENT ON FUNCTION pgbroker._registry_subscription_event(text, text, bigint, text, text, jsonb) IS
     'Internal: the registry_channel() payload of a subscribe or unsubscribe (key JSON null: the whole table).';
 
--- Remove client p_client from interest rows: of one (watch, key), or all its own when p_watch_id is NULL.
-CREATE FUNCTION pgbroker._interest_remove(p_client bigint, p_watch_id integer, p_row_key jsonb)
+-- Strike client_ids[i] from the interest row (watch_ids[i], row_keys[i],
+-- names[i], epochs[i]), for every i, deleting the rows left with none.
+-- Three statements whatever the number of rows, each finding every row by a
+-- probe on its whole key (a LATERAL subquery the planner cannot flatten into
+-- a join, so never a scan of a broker's interest planned on stale
+-- statistics): the cost is that of the rows named, whatever the table holds.
+-- The rows are locked first, in one order (two of these never wait for each
+-- other in a cycle: one order of the keys, by their hashes); the next statements, with a snapshot taken after those
+-- locks, find each row as it was locked and change it by its ctid.
+CREATE FUNCTION pgbroker._interest_shrink(p_watch_ids integer[], p_row_keys jsonb[], p_names text[], p_epochs bigint[],
+                                          p_client_ids text[])
 RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_name text;
-    v_epoch bigint;
-    v_client_id text;
     v_watch_ids integer[];
     v_row_keys jsonb[];
+    v_names text[];
+    v_epochs bigint[];
 BEGIN
-    SELECT c.name, c.epoch, c.client_id INTO v_name, v_epoch, v_client_id FROM pgbroker.client c WHERE c.client_key = p_client;
-    WITH mine AS (
-        DELETE FROM pgbroker.subscription s
-         WHERE s.client_key = p_client
-           AND (p_watch_id IS NULL OR (s.watch_id = p_watch_id AND s.row_key = p_row_key))
-        RETURNING s.watch_id, s.row_key
+    PERFORM
+       FROM (SELECT u.watch_id, u.row_key, u.name, u.epoch   -- (a row given twice is locked twice: no matter)
+               FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs) AS u(watch_id, row_key, name, epoch)
+              -- (jsonb compares slowly: sorting 100,000 keys took 0.4 s; their hashes first, the keys on a tie)
+              ORDER BY u.watch_id, jsonb_hash(u.row_key), u.row_key, u.name, u.epoch) g
+      CROSS JOIN LATERAL (SELECT FROM pgbroker.interest i
+                           WHERE i.watch_id = g.watch_id AND i.row_key = g.row_key AND i.name = g.name AND i.epoch = g.epoch
+                             FOR UPDATE) x;
+    WITH gone AS (
+        SELECT u.watch_id, u.row_key, u.name, u.epoch, array_agg(u.client_id) AS gone
+          FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs, p_client_ids) AS u(watch_id, row_key, name, epoch, client_id)
+         GROUP BY u.watch_id, u.row_key, u.name, u.epoch
     ), shrunk AS (
         UPDATE pgbroker.interest i
-           SET clients = array_remove(i.clients, v_client_id)
-          FROM mine m
-         WHERE i.watch_id = m.watch_id AND i.row_key = m.row_key AND i.name = v_name AND i.epoch = v_epoch
-        RETURNING i.watch_id, i.row_key, i.clients
+           SET clients = CASE WHEN cardinality(r.gone) = 1 THEN array_remove(i.clients, r.gone[1])
+                              ELSE ARRAY(SELECT x.c FROM unnest(i.clients) AS x(c) WHERE x.c <> ALL (r.gone)) END
+          FROM (SELECT g.gone, f.ctid AS row_ctid
+                  FROM gone g
+                 CROSS JOIN LATERAL (SELECT j.ctid FROM pgbroker.interest j
+                                      WHERE j.watch_id = g.watch_id AND j.row_key = g.row_key AND j.name = g.name
+                                        AND j.epoch = g.epoch
+                                     OFFSET 0) f) r
+         WHERE i.ctid = r.row_ctid
+        RETURNING i.watch_id, i.row_key, i.name, i.epoch, cardinality(i.clients) AS left_over
     )
-    SELECT array_agg(s.watch_id), array_agg(s.row_key) INTO v_watch_ids, v_row_keys
-      FROM shrunk s WHERE cardinality(s.clients) = 0;
+    SELECT array_agg(s.watch_id), array_agg(s.row_key), array_agg(s.name), array_agg(s.epoch)
+      INTO v_watch_ids, v_row_keys, v_names, v_epochs
+      FROM shrunk s WHERE s.left_over = 0;
     -- A row can change only once per statement: drop the emptied ones now.
-    DELETE FROM pgbroker.interest i
-     USING unnest(v_watch_ids, v_row_keys) AS e(watch_id, row_key)
-     WHERE i.watch_id = e.watch_id AND i.row_key = e.row_key AND i.name = v_name AND i.epoch = v_epoch
-       AND cardinality(i.clients) = 0;
+    IF v_watch_ids IS NOT NULL THEN
+        DELETE FROM pgbroker.interest i
+         USING (SELECT f.ctid AS row_ctid
+                  FROM unnest(v_watch_ids, v_row_keys, v_names, v_epochs) AS e(watch_id, row_key, name, epoch)
+                 CROSS JOIN LATERAL (SELECT j.ctid FROM pgbroker.interest j
+                                      WHERE j.watch_id = e.watch_id AND j.row_key = e.row_key AND j.name = e.name
+                                        AND j.epoch = e.epoch
+                                     OFFSET 0) f) r
+         WHERE i.ctid = r.row_ctid AND cardinality(i.clients) = 0;
+    END IF;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._interest_remove(bigint, integer, jsonb) IS
-    'Internal: drop subscriptions of a client (one, or all when p_watch_id is NULL) and shrink pgbroker.interest.';
+COMMENT ON FUNCTION pgbroker._interest_shrink(integer[], jsonb[], text[], bigint[], text[]) IS
+    'Internal: strike client_ids[i] from the interest row of (watch_ids[i], row_keys[i], names[i], epochs[i]); rows left empty are deleted. A probe per row, locked in key order.';
 
 -- Before subscribing to a table: its triggers must be in place (a
 -- subscription to a table whose triggers are gone or disabled would never
@@ -309,11 +347,13 @@ DECLARE
     v_watch pgbroker.watched := pgbroker._watch_of(unsubscribe."table");
     v_key jsonb := pgbroker._encode_key(v_watch, unsubscribe.key);
 BEGIN
-    IF NOT EXISTS (SELECT FROM pgbroker.subscription s
-                    WHERE s.client_key = v_client AND s.watch_id = v_watch.watch_id AND s.row_key = v_key) THEN
+    DELETE FROM pgbroker.subscription s
+     WHERE s.client_key = v_client AND s.watch_id = v_watch.watch_id AND s.row_key = v_key;
+    IF NOT FOUND THEN
         RETURN false;
     END IF;
-    PERFORM pgbroker._interest_remove(v_client, v_watch.watch_id, v_key);
+    PERFORM pgbroker._interest_shrink(ARRAY[v_watch.watch_id], ARRAY[v_key], ARRAY[v_name], ARRAY[v_epoch],
+                                      ARRAY[unsubscribe.client_id]);
     IF pgbroker._registry_watched(v_name) THEN
         PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
                           pgbroker._registry_subscription_event('unsubscribe', v_name, v_epoch, unsubscribe.client_id,
@@ -331,25 +371,46 @@ COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
 -- A deleted client's subscriptions go with it; one of the current epoch
 -- (unregistered) also leaves the interest it made.  (The clients of earlier
 -- epochs are deleted by broker_sweep() after their subscriptions, and their
--- interest is deleted whole.)
-CREATE FUNCTION pgbroker._interest_drop_client()
+-- interest is deleted whole.)  Once per statement, with the deleted rows in
+-- hand: client_unregister_many() deletes ten thousand clients in one.  The
+-- subscriptions are found by the primary key's first column, each interest
+-- row by its whole key (_interest_shrink): no table here is joined on what
+-- its statistics say.
+CREATE FUNCTION pgbroker._interest_drop_clients()
 RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_watch_ids integer[];
+    v_row_keys jsonb[];
+    v_names text[];
+    v_epochs bigint[];
+    v_client_ids text[];
 BEGIN
-    IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
-        PERFORM pgbroker._interest_remove(OLD.client_key, NULL, NULL);
-    ELSE
-        DELETE FROM pgbroker.subscription s WHERE s.client_key = OLD.client_key;
+    WITH gone AS (
+        SELECT o.client_key, o.client_id, o.name, o.epoch,
+               o.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = o.name) AS current
+          FROM old_clients o
+    ), subs AS (
+        DELETE FROM pgbroker.subscription s WHERE s.client_key = ANY (ARRAY(SELECT g.client_key FROM gone g))
+        RETURNING s.client_key, s.watch_id, s.row_key
+    )
+    SELECT array_agg(s.watch_id), array_agg(s.row_key), array_agg(g.name), array_agg(g.epoch), array_agg(g.client_id)
+      INTO v_watch_ids, v_row_keys, v_names, v_epochs, v_client_ids
+      FROM subs s JOIN gone g ON g.client_key = s.client_key
+     WHERE g.current;
+    IF v_watch_ids IS NOT NULL THEN
+        PERFORM pgbroker._interest_shrink(v_watch_ids, v_row_keys, v_names, v_epochs, v_client_ids);
     END IF;
-    RETURN OLD;
+    RETURN NULL;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._interest_drop_client() IS
-    'Internal (trigger): delete a client''s subscriptions before the client; one of the current epoch also leaves pgbroker.interest.';
+COMMENT ON FUNCTION pgbroker._interest_drop_clients() IS
+    'Internal (statement trigger): delete the deleted clients'' subscriptions; those of the current epoch also leave pgbroker.interest.';
 
 CREATE TRIGGER _400_drop_interest
-BEFORE DELETE ON pgbroker.client
-FOR EACH ROW EXECUTE FUNCTION pgbroker._interest_drop_client();
+AFTER DELETE ON pgbroker.client
+REFERENCING OLD TABLE AS old_clients
+FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._interest_drop_clients();
 COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'A deleted client''s subscriptions go with it, and an unregistered one leaves the interest they made.';

@@ -333,19 +333,28 @@ RETURNS void
 LANGUAGE sql
 AS $$
     WITH resolved AS MATERIALIZED (
-        SELECT o.id,
-               ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
-                      WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
-                        AND (o.op = 'T' OR i.row_key IN (o.row_key, 'null'::jsonb))
-                      ORDER BY 1) AS clients
+        SELECT o.ctid AS row_ctid,
+               -- (A row's subscribers by two probes on the interest's whole key: an OR with the
+               -- truncate's case made the planner read the table's whole interest for each row.)
+               CASE WHEN o.op = 'T'
+                    THEN ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                                WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
+                                ORDER BY 1)
+                    ELSE ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                                WHERE i.watch_id = o.watch_id AND i.row_key IN (o.row_key, 'null'::jsonb)
+                                  AND i.name = p_name AND i.epoch = p_epoch
+                                ORDER BY 1) END AS clients
           FROM pgbroker.outbox o
          WHERE o.name = p_name AND o.epoch = p_epoch AND o.clients IS NULL
     ), told AS (
+        -- Each row by its ctid (only this broker's session changes its rows): joined by (name, id), or
+        -- (name, epoch, id) on the plan of a generic estimate of one row, each was looked for among all the
+        -- epoch's rows, O(n^2): a fetch ran for minutes over 13,000 rows written while subscribes churned.
         UPDATE pgbroker.outbox o SET clients = r.clients
           FROM resolved r
-         WHERE o.name = p_name AND o.id = r.id AND r.clients <> '{}'
+         WHERE o.ctid = r.row_ctid AND r.clients <> '{}'
     )
-    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.name = p_name AND d.id = r.id AND r.clients = '{}';
+    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.ctid = r.row_ctid AND r.clients = '{}';
 $$;
 COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
     'Internal: give the outbox rows of a broker written with clients NULL the clients subscribed now; drop those with none.';
@@ -427,6 +436,13 @@ BEGIN
     IF v_unresolved THEN
         PERFORM pgbroker._outbox_resolve(outbox_fetch.name, v_epoch);
     END IF;
+    -- Rows that may name clients unregistered since: fetched without them (_outbox_fetch_departed).
+    IF EXISTS (SELECT FROM pgbroker.outbox_departed d
+                WHERE d.name = outbox_fetch.name AND d.epoch = v_epoch AND d.last_id > v_floor) THEN
+        RETURN QUERY SELECT * FROM pgbroker._outbox_fetch_departed(outbox_fetch.name, v_epoch, v_floor, outbox_fetch.max_rows,
+                                                                   outbox_fetch.ack);
+        RETURN;
+    END IF;
     RETURN QUERY
     WITH acked AS (  -- the previous batch, acknowledged in the same round trip
         DELETE FROM pgbroker.outbox b
@@ -473,37 +489,113 @@ COMMENT ON FUNCTION pgbroker.outbox_ack(text, bigint[]) IS
     'Holder only: acknowledge (delete) delivered notifications IDS of lease NAME; returns how many.';
 
 -- ---------------------------------------------------------------------------
--- An unregistered client is struck from the notifications still pending for
--- it (a row that named it alone is deleted).  A writer
+-- Unregistered clients are left out of the notifications still pending for
+-- them when those are fetched, not struck from them when they leave: a
+-- departure costs one row here whatever the backlog (striking it read every
+-- pending row of the epoch: 164 ms per unregister over 100,000 rows, issue
+-- 45).  A departure hides its client from the rows up to LAST_ID, the outbox
+-- sequence's value when it was recorded: a writer that read the interest
+-- after the unregister committed takes a later id, so a client registered
+-- again under the same id hears of the changes after that.  A writer
 -- transaction that read the interest before the unregister committed may
--- still name it: a broker ignores ids it no longer knows.
-CREATE FUNCTION pgbroker._outbox_forget_client()
+-- still name it in a later row: a broker ignores ids it no longer knows.
+-- UNLOGGED like the outbox, whose rows it qualifies; a fetch deletes the
+-- departures its floor has passed (no row they hide is left to fetch), the
+-- sweep those of earlier epochs.
+CREATE UNLOGGED TABLE pgbroker.outbox_departed (
+    name text NOT NULL,
+    epoch bigint NOT NULL,
+    client_id text NOT NULL,
+    last_id bigint NOT NULL,
+    PRIMARY KEY (name, epoch, client_id)
+);
+-- The primary key is the only index: with a second one on (name, epoch,
+-- last_id), a generic plan of the fetch's probe per client took the range
+-- last_id >= id over every departure of the epoch, for each client of each
+-- row (a fetch ran for minutes under churn).  The fetch reads the epoch's
+-- departures above its floor whole, and they are few (those of the last
+-- moments).
+COMMENT ON TABLE pgbroker.outbox_departed IS
+    'Internal: clients unregistered while notifications naming them may be pending; outbox_fetch() leaves them out of those rows.';
+COMMENT ON COLUMN pgbroker.outbox_departed.name IS 'The broker (lease name) of the client.';
+COMMENT ON COLUMN pgbroker.outbox_departed.epoch IS 'Its epoch.';
+COMMENT ON COLUMN pgbroker.outbox_departed.client_id IS 'The unregistered client.';
+COMMENT ON COLUMN pgbroker.outbox_departed.last_id IS 'The outbox rows with ids up to this one are fetched without the client.';
+
+-- outbox_fetch() while departures are recorded above its floor: the same
+-- rows, each client departed after the row was written left out (a probe
+-- per client of the rows up to the last departure), and the rows left with
+-- nobody deleted instead of returned.  Runs with outbox_fetch()'s settings.
+CREATE FUNCTION pgbroker._outbox_fetch_departed(p_name text, p_epoch bigint, p_floor bigint, p_max_rows integer,
+                                                p_ack bigint[])
+RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_upto bigint;
+BEGIN
+    DELETE FROM pgbroker.outbox_departed d WHERE d.name = p_name AND d.epoch = p_epoch AND d.last_id <= p_floor;
+    SELECT max(d.last_id) INTO v_upto FROM pgbroker.outbox_departed d WHERE d.name = p_name AND d.epoch = p_epoch;
+    RETURN QUERY
+    WITH acked AS (
+        DELETE FROM pgbroker.outbox b
+         WHERE b.name = p_name AND b.epoch = p_epoch AND b.id = ANY (p_ack)
+    ), batch AS MATERIALIZED (
+        SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.at,
+               CASE WHEN o.id > v_upto THEN o.clients
+                    ELSE ARRAY(SELECT x.c FROM unnest(o.clients) WITH ORDINALITY AS x(c, n)
+                                WHERE NOT EXISTS (SELECT FROM pgbroker.outbox_departed d
+                                                   WHERE d.name = p_name AND d.epoch = p_epoch AND d.client_id = x.c
+                                                     AND d.last_id >= o.id)
+                                ORDER BY x.n) END AS clients
+          FROM pgbroker.outbox o
+         WHERE o.name = p_name AND o.epoch = p_epoch AND o.id > p_floor
+           AND (p_ack IS NULL OR o.id <> ALL (p_ack))
+           AND o.id < COALESCE((SELECT min(u.id) FROM pgbroker.outbox u
+                                 WHERE u.name = p_name AND u.epoch = p_epoch AND u.clients IS NULL),
+                               9223372036854775807)
+         ORDER BY o.id
+         LIMIT p_max_rows
+    ), emptied AS (
+        DELETE FROM pgbroker.outbox e
+         WHERE e.name = p_name AND e.epoch = p_epoch AND e.id = ANY (ARRAY(SELECT b.id FROM batch b WHERE b.clients = '{}'))
+    )
+    SELECT b.id, (SELECT w.relid::regclass::text FROM pgbroker.watched w WHERE w.watch_id = b.watch_id),
+           b.op::text, b.row_key, b.changed, b.clients, b.at
+      FROM batch b
+     WHERE b.clients <> '{}'
+     ORDER BY b.id;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._outbox_fetch_departed(text, bigint, bigint, integer, bigint[]) IS
+    'Internal: outbox_fetch() while clients departed (pgbroker.outbox_departed): the rows without them, those left with nobody deleted.';
+
+-- Once per statement: client_unregister_many() deletes thousands at once.
+CREATE FUNCTION pgbroker._outbox_forget_clients()
 RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_last bigint;
 BEGIN
+    -- The last id handed out (NULL, never called: 0), read without a scan of the sequence.
+    v_last := coalesce(pg_sequence_last_value('pgbroker.outbox_id_seq'::regclass), 0);
     -- (Clients of an earlier epoch: their rows are never fetched, and broker_sweep() deletes them.)
-    IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
-        -- The rows first, locked in id order as an ack locks them: two
-        -- passes (deleting, then updating) each taking its rows as it went
-        -- deadlocked with an ack holding a row of the second pass and
-        -- waiting for one of the first.
-        PERFORM FROM pgbroker.outbox o
-          WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients @> ARRAY[OLD.client_id]
-          ORDER BY o.id FOR UPDATE;
-        DELETE FROM pgbroker.outbox o
-         WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients = ARRAY[OLD.client_id];
-        UPDATE pgbroker.outbox o SET clients = array_remove(o.clients, OLD.client_id)
-         WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients @> ARRAY[OLD.client_id];
-    END IF;
-    RETURN OLD;
+    INSERT INTO pgbroker.outbox_departed AS d (name, epoch, client_id, last_id)
+    SELECT o.name, o.epoch, o.client_id, v_last
+      FROM old_clients o
+     WHERE o.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = o.name)
+    ON CONFLICT (name, epoch, client_id) DO UPDATE SET last_id = excluded.last_id;
+    RETURN NULL;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._outbox_forget_client() IS
-    'Internal (trigger): strike an unregistered client from its broker''s pending notifications.';
+COMMENT ON FUNCTION pgbroker._outbox_forget_clients() IS
+    'Internal (statement trigger): record the unregistered clients in pgbroker.outbox_departed; fetches leave them out of the rows pending then.';
 
 CREATE TRIGGER _500_forget_client
-BEFORE DELETE ON pgbroker.client
-FOR EACH ROW EXECUTE FUNCTION pgbroker._outbox_forget_client();
-COMMENT ON TRIGGER _500_forget_client ON pgbroker.client IS 'An unregistered client is struck from the notifications pending for it.';
+AFTER DELETE ON pgbroker.client
+REFERENCING OLD TABLE AS old_clients
+FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._outbox_forget_clients();
+COMMENT ON TRIGGER _500_forget_client ON pgbroker.client IS 'An unregistered client is left out of the notifications pending for it when they are fetched.';

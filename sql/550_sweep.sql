@@ -48,6 +48,13 @@ BEGIN
         GET DIAGNOSTICS v_done = ROW_COUNT;
         v_left := v_left - v_done;
         EXIT WHEN v_left <= 0;
+        DELETE FROM pgbroker.outbox_departed d
+         WHERE d.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.outbox_departed x
+                                    WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
+                                    LIMIT v_left FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_done = ROW_COUNT;
+        v_left := v_left - v_done;
+        EXIT WHEN v_left <= 0;
         DELETE FROM pgbroker.interest i
          WHERE i.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.interest x
                                     WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
@@ -79,5 +86,5 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_sweep(text, integer) IS
-$$Delete about MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications, interest, clients with their subscriptions, broker state, in that order. Returns how many it deleted: call it again until it returns 0. Also records and announces TTL leases that expired unnoticed (lease_expiry_check).
+$$Delete about MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications (and the clients departed from them), interest, clients with their subscriptions, broker state, in that order. Returns how many it deleted: call it again until it returns 0. Also records and announces TTL leases that expired unnoticed (lease_expiry_check).
 Those rows are invisible from the moment a new epoch is claimed; sweeping only frees their space. Nobody waits for a sweep (writers, subscribers and the new broker never touch those rows), and two sweeps skip each other's rows. Call it in autocommit mode, so each batch commits on its own.$$;

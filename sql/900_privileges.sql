@@ -97,6 +97,7 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.client_register_many(text[], jsonb[], text, bigint),
     pgbroker.client_update(text, jsonb, text, bigint),
     pgbroker.client_unregister(text, text, bigint),
+    pgbroker.client_unregister_many(text[], text, bigint),
     pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval),
     pgbroker.subscribe_many(text[], regclass, jsonb[], text, bigint, interval),
     pgbroker.unsubscribe(text, regclass, jsonb, text, bigint),

@@ -384,6 +384,7 @@ def test_a_lease_name_covers_claim_stale_takeover_clients_and_delivery(roles, ad
         "SELECT pgbroker.client_register_many(ARRAY['c3'], NULL, %(n)s)",
         "SELECT pgbroker.client_update('c1', '{}', %(n)s)",
         "SELECT pgbroker.client_unregister('c1', %(n)s)",
+        "SELECT pgbroker.client_unregister_many(ARRAY['c1'], %(n)s)",
         "SELECT pgbroker.broker_state_set(%(n)s, 'k', '1')",
         "SELECT * FROM pgbroker.outbox_fetch(%(n)s)",
         "SELECT pgbroker.outbox_ack(%(n)s, '{}')",

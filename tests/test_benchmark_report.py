@@ -318,3 +318,47 @@ def test_on_demand_rewrites_only_the_sections_of_the_on_demand_runs(report, tmp_
     assert "![endurance_no_data](endurance_no_data.png)" in text
     assert (out / "endurance_no_data.png").read_bytes()[:8] == PNG_MAGIC
     assert report.write_on_demand(out).read_text() == text  # rewriting again changes nothing
+
+
+def _churn_data() -> dict:
+    bench_churn = _bench("bench_churn")
+    micro = {
+        "small": {"ms": 0.5, "cpu_ms": 0.4},
+        "large": {"ms": 0.6, "cpu_ms": 0.5},
+        "backlog": {"ms": 1.5, "cpu_ms": 1.2},
+        "pending": 99_960,
+        "mass": {"clients": 10_000, "s": 0.8, "cpu_s": 0.7, "pending": 99_000},
+    }
+    minutes = [
+        {"minute": m, "registry_calls": 36_000, "registry_p50_ms": 1.0, "registry_p99_ms": 4.0 + m, "delivered": 12_000,
+         "delivery_p99_ms": 15.0, "cpu_per_call_ms": 0.3}
+        for m in (1, 2)
+    ]  # fmt: skip
+    data = {
+        "server": "15.18", "cpus": 2, "date": "2026-12-04 17:00 UTC", "load_start": [1.0], "load_end": [1.5],
+        "micro": micro, "churn": {"minutes": minutes, "mass": {"clients": 10_000, "s": 1.2, "cpu_s": 0.9, "pending": 5},
+                                  "errors": 0},
+        "settings": {"clients": 30_000, "per_client": 10, "backlog": 100_000, "churn_rate": 200, "write_rate": 200,
+                     "minutes": 2},
+    }  # fmt: skip
+    data["verdicts"] = bench_churn.verdicts(data)
+    return data
+
+
+def test_churn_section_gives_ratios_cpu_per_call_and_the_targets(report, tmp_path):
+    data = _churn_data()
+    text = report.churn_markdown(data)
+    assert text.startswith("## Churn (bench_churn.py)")
+    assert "| 30,000 x 10 | 0.60 ms | 0.50 ms | 1.20x of 1,000 x 10 |" in text
+    assert "| 30,000 x 10, 99,960 outbox rows pending | 1.50 ms | 1.20 ms | 2.50x of none pending |" in text
+    assert "| 2 | 36,000 | 1.00 ms | 6.00 ms | 12,000 | 15.00 ms | 0.300 ms |" in text
+    verdicts = {v["name"]: v["met"] for v in data["verdicts"]}
+    assert verdicts["unregister at 30,000 x 10 over 1,000 x 10"] is True
+    assert verdicts["unregister with 100,000 pending over none"] is False  # 2.5x
+    assert verdicts["churn: mass departure of 10,000 (s)"] is False  # 1.2 s
+    assert text.count("MISSED") == 2
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("# pgbroker benchmark report\n")
+    (out / report.CHURN_FILE).write_text(json.dumps(data))
+    assert "## Churn (bench_churn.py)" in report.write_on_demand(out).read_text()

@@ -233,11 +233,11 @@ def test_the_outbox_readers_use_its_indexes_whatever_its_statistics_say(connect,
     assert seq_scans() == before
 
 
-def test_an_unregister_and_an_ack_of_the_same_rows_never_deadlock(connect, watch_mode):
-    """The unregister strikes its client from the pending rows in one pass in id order, as an ack deletes them:
-    an ack holding the earlier row and then acknowledging the later one waits for nobody.  (Two passes, the rows
-    naming the client alone deleted first and then the others updated, deadlocked here: found by
-    bench_endurance.py, whose churn unregisters clients while the broker acknowledges.)"""
+def test_an_unregister_never_waits_for_an_ack_holding_its_rows(connect, watch_mode):
+    """An unregister records its client's departure and leaves the pending rows alone (the fetch leaves the client
+    out of them): an ack holding rows that name it neither waits for it nor makes it wait.  (Striking the client
+    from the rows at unregister time locked them, and two passes deadlocked with an ack, found by
+    bench_endurance.py; issue 45 took the strike out of the unregister.)"""
     broker, other, writer = connect("broker"), connect("unregister"), connect("writer")
     epoch = claim(broker)
     seed_objects(writer, [1, 2])
@@ -248,24 +248,11 @@ def test_an_unregister_and_an_ack_of_the_same_rows_never_deadlock(connect, watch
     writer.execute("UPDATE initech.objects SET name = 'a' WHERE id = 1")  # for x and y
     writer.execute("UPDATE initech.objects SET name = 'b' WHERE id = 2")  # for x alone
     first, second = (r["id"] for r in fetch(broker))
-    outcome: dict[str, object] = {}
-
-    def unregister_x() -> None:
-        try:
-            outcome["unregistered"] = unregister(other, "x", epoch=epoch)
-        except psycopg.Error as exc:
-            outcome["unregistered"] = exc
-
     with broker.transaction():
         assert ack(broker, [first]) == 1  # holds the first row until the commit
-        thread = threading.Thread(target=unregister_x)
-        thread.start()
-        wait_until(lambda: writer.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'unregister' AND wait_event_type = 'Lock'"
-        ).fetchone()[0] == 1)  # fmt: skip
-        assert ack(broker, [second]) == 1  # no deadlock_detected (40P01) here ...
-    thread.join(30)
-    assert outcome == {"unregistered": True}  # ... nor there
+        other.execute("SET lock_timeout = '2s'")
+        assert unregister(other, "x", epoch=epoch) is True  # does not wait for the ack's transaction
+        assert ack(broker, [second]) == 1
     assert raw_outbox(writer) == []
 
 
@@ -294,8 +281,7 @@ def test_a_pending_row_whose_only_client_unregistered_is_dropped_not_returned(co
     subscribe(broker, "solo", key=1)
     subscribe(broker, "other", key=2)
     writer.execute("UPDATE initech.objects SET name = 'x'")
-    assert unregister(broker, "solo") is True  # its pending row named it alone: deleted
-    assert admin.execute("SELECT clients FROM pgbroker.outbox ORDER BY id").fetchall() == [(["other"],)]
+    assert unregister(broker, "solo") is True  # its pending row named it alone: deleted by the fetch
     assert [(r["key"], r["clients"]) for r in drain(broker)] == [(2, ["other"])]
     assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone() == (0,)
 

@@ -14,6 +14,7 @@ BROKER_CALLS = (
     "SELECT pgbroker.client_register('x')",
     "SELECT pgbroker.client_update('x', '{}')",
     "SELECT pgbroker.client_unregister('x')",
+    "SELECT pgbroker.client_unregister_many(ARRAY['x'])",
     "SELECT pgbroker.subscribe('x', 'initech.objects', '1')",
     "SELECT pgbroker.unsubscribe('x', 'initech.objects', '1')",
     "SELECT * FROM pgbroker.outbox_fetch('default', 10)",
@@ -78,7 +79,8 @@ def test_reader_sees_the_views_and_nothing_else(connect, populated):
         "SELECT pgbroker.watch('initech.objects')",
         "SELECT pgbroker.unwatch('initech.objects')",
         "SELECT pgbroker._awake_held(1)",
-        "SELECT pgbroker._interest_remove(1, NULL, NULL)",
+        "SELECT pgbroker._interest_shrink('{1}', '{1}', '{default}', '{1}', '{x}')",
+        "SELECT * FROM pgbroker._outbox_fetch_departed('default', 1, 0, 10, NULL)",
         "SELECT pgbroker._acting_epoch('default', 1)",
     ):
         assert denied(reader, call) == "42501", call

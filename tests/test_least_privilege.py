@@ -330,6 +330,7 @@ CALLS: list[tuple[str, str]] = [
     ("broker", "SELECT pgbroker.broker_wake('all')"),
     ("broker", "SELECT pgbroker.broker_sleep('all')"),
     ("broker", "SELECT pgbroker.client_unregister('c3', 'all')"),
+    ("broker", "SELECT pgbroker.client_unregister_many(ARRAY['c2'], 'all')"),
     ("broker", "SELECT pgbroker.broker_sweep('all')"),
     ("broker", "SELECT pgbroker.broker_claim('ttl', owner => 't', ttl => '10 s')"),
     ("broker", "SELECT pgbroker.broker_renew('ttl', 't')"),

@@ -2099,6 +2099,61 @@ $$;
 COMMENT ON FUNCTION pgbroker.client_unregister(text, text, bigint) IS
     'Holder only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';
 
+-- A deploy disconnects every client at once.  Each id is looked up by its
+-- unique key (a probe each, never a plan made on the statistics of a table
+-- just loaded), and the rows go in one DELETE, whose statement triggers
+-- drop their subscriptions and interest (400_subscriptions.sql) and record
+-- their departure from the pending notifications (500_outbox.sql) with all
+-- the rows in hand: 10,000 clients cost what 10,000 clients own.
+CREATE FUNCTION pgbroker.client_unregister_many(client_ids text[], name text DEFAULT 'default', epoch bigint DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(client_unregister_many.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_unregister_many.epoch);
+    v_bad integer;
+    v_gone bigint;
+    v_watched boolean;
+    v_announced bigint;
+BEGIN
+    PERFORM pgbroker._check_arrays('client_ids', array_ndims(client_unregister_many.client_ids),
+                                   cardinality(client_unregister_many.client_ids), NULL, NULL, NULL, true);
+    -- The first bad id, with the error the one-row call gives, naming its position.
+    SELECT min(u.i) INTO v_bad
+      FROM unnest(client_unregister_many.client_ids) WITH ORDINALITY AS u(id, i)
+     WHERE u.id IS NULL OR u.id = '' OR octet_length(u.id) > 200;
+    IF v_bad IS NOT NULL THEN
+        PERFORM pgbroker._check_client_id(client_unregister_many.client_ids[v_bad], format('client_ids[%s]', v_bad));
+    END IF;
+    v_watched := pgbroker._registry_watched(v_name);
+    -- (A FILTER is tested before its aggregate's argument: nothing is
+    -- announced while nobody watches.)
+    WITH gone AS (
+        DELETE FROM pgbroker.client c
+         WHERE c.client_key = ANY (ARRAY(
+                   SELECT x.client_key
+                     FROM (SELECT DISTINCT u.id FROM unnest(client_unregister_many.client_ids) AS u(id)) g
+                    CROSS JOIN LATERAL (SELECT k.client_key FROM pgbroker.client k
+                                         WHERE k.name = v_name AND k.epoch = v_epoch AND k.client_id = g.id
+                                         OFFSET 0) x))
+        RETURNING c.client_id
+    )
+    SELECT count(*),
+           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(v_name),
+                                   pgbroker._registry_client_event('unregister', v_name, v_epoch, r.client_id, NULL))))
+               FILTER (WHERE v_watched)
+      INTO v_gone, v_announced
+      FROM gone r;
+    RETURN v_gone;
+END
+$$;
+COMMENT ON FUNCTION pgbroker.client_unregister_many(text[], text, bigint) IS
+$$Holder only: unregister every client of CLIENT_IDS of lease NAME in one statement, with all their subscriptions; returns how many were registered (ids not registered, or given twice, count once or not at all).
+As client_unregister() otherwise: from the holder's session or with the holder's current EPOCH. 22004 / 22023 for a NULL array or a NULL, empty or too long id, naming its position (client_ids[3]); nothing of the call is kept then.$$;
+
 -- ===== sql/300_watched_tables.sql =====
 
 -- pgbroker: watched tables, and how their rows are named.
@@ -2439,8 +2494,19 @@ CREATE TABLE pgbroker.interest (
     -- the outbox (a lookup per client at fetch time cost the broker ~3 µs each).
     clients text[] NOT NULL,
     PRIMARY KEY (watch_id, row_key, name, epoch)
-);
-CREATE INDEX interest_name_epoch ON pgbroker.interest (name, epoch);
+)
+-- Room on each page for a row's next version: a subscribe or an unregister
+-- rewrites its row's clients, which no index holds, so the update is HOT
+-- (no index entry to add) when the page has room.  Filled to the brim by a
+-- restart's subscribe_many, every update cost two unique-index insertions.
+WITH (fillfactor = 70);
+-- The broker's rows (the sweep, a TRUNCATE, the fetch's resolution), and
+-- the same key as the primary one in another order, UNIQUE: a statement that
+-- names one row by its whole key is a unique probe by whichever index the
+-- planner picks.  As (name, epoch) alone, right after subscribe_many() (no
+-- ANALYZE yet) the planner took the rows of a new epoch for two and read
+-- them all to shrink one client's ten (issue 45).
+CREATE UNIQUE INDEX interest_name_epoch ON pgbroker.interest (name, epoch, watch_id, row_key);
 COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_ids per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
 COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
@@ -2464,43 +2530,70 @@ $$;
 COMMENT ON FUNCTION pgbroker._registry_subscription_event(text, text, bigint, text, text, jsonb) IS
     'Internal: the registry_channel() payload of a subscribe or unsubscribe (key JSON null: the whole table).';
 
--- Remove client p_client from interest rows: of one (watch, key), or all its own when p_watch_id is NULL.
-CREATE FUNCTION pgbroker._interest_remove(p_client bigint, p_watch_id integer, p_row_key jsonb)
+-- Strike client_ids[i] from the interest row (watch_ids[i], row_keys[i],
+-- names[i], epochs[i]), for every i, deleting the rows left with none.
+-- Three statements whatever the number of rows, each finding every row by a
+-- probe on its whole key (a LATERAL subquery the planner cannot flatten into
+-- a join, so never a scan of a broker's interest planned on stale
+-- statistics): the cost is that of the rows named, whatever the table holds.
+-- The rows are locked first, in one order (two of these never wait for each
+-- other in a cycle: one order of the keys, by their hashes); the next statements, with a snapshot taken after those
+-- locks, find each row as it was locked and change it by its ctid.
+CREATE FUNCTION pgbroker._interest_shrink(p_watch_ids integer[], p_row_keys jsonb[], p_names text[], p_epochs bigint[],
+                                          p_client_ids text[])
 RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_name text;
-    v_epoch bigint;
-    v_client_id text;
     v_watch_ids integer[];
     v_row_keys jsonb[];
+    v_names text[];
+    v_epochs bigint[];
 BEGIN
-    SELECT c.name, c.epoch, c.client_id INTO v_name, v_epoch, v_client_id FROM pgbroker.client c WHERE c.client_key = p_client;
-    WITH mine AS (
-        DELETE FROM pgbroker.subscription s
-         WHERE s.client_key = p_client
-           AND (p_watch_id IS NULL OR (s.watch_id = p_watch_id AND s.row_key = p_row_key))
-        RETURNING s.watch_id, s.row_key
+    PERFORM
+       FROM (SELECT u.watch_id, u.row_key, u.name, u.epoch   -- (a row given twice is locked twice: no matter)
+               FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs) AS u(watch_id, row_key, name, epoch)
+              -- (jsonb compares slowly: sorting 100,000 keys took 0.4 s; their hashes first, the keys on a tie)
+              ORDER BY u.watch_id, jsonb_hash(u.row_key), u.row_key, u.name, u.epoch) g
+      CROSS JOIN LATERAL (SELECT FROM pgbroker.interest i
+                           WHERE i.watch_id = g.watch_id AND i.row_key = g.row_key AND i.name = g.name AND i.epoch = g.epoch
+                             FOR UPDATE) x;
+    WITH gone AS (
+        SELECT u.watch_id, u.row_key, u.name, u.epoch, array_agg(u.client_id) AS gone
+          FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs, p_client_ids) AS u(watch_id, row_key, name, epoch, client_id)
+         GROUP BY u.watch_id, u.row_key, u.name, u.epoch
     ), shrunk AS (
         UPDATE pgbroker.interest i
-           SET clients = array_remove(i.clients, v_client_id)
-          FROM mine m
-         WHERE i.watch_id = m.watch_id AND i.row_key = m.row_key AND i.name = v_name AND i.epoch = v_epoch
-        RETURNING i.watch_id, i.row_key, i.clients
+           SET clients = CASE WHEN cardinality(r.gone) = 1 THEN array_remove(i.clients, r.gone[1])
+                              ELSE ARRAY(SELECT x.c FROM unnest(i.clients) AS x(c) WHERE x.c <> ALL (r.gone)) END
+          FROM (SELECT g.gone, f.ctid AS row_ctid
+                  FROM gone g
+                 CROSS JOIN LATERAL (SELECT j.ctid FROM pgbroker.interest j
+                                      WHERE j.watch_id = g.watch_id AND j.row_key = g.row_key AND j.name = g.name
+                                        AND j.epoch = g.epoch
+                                     OFFSET 0) f) r
+         WHERE i.ctid = r.row_ctid
+        RETURNING i.watch_id, i.row_key, i.name, i.epoch, cardinality(i.clients) AS left_over
     )
-    SELECT array_agg(s.watch_id), array_agg(s.row_key) INTO v_watch_ids, v_row_keys
-      FROM shrunk s WHERE cardinality(s.clients) = 0;
+    SELECT array_agg(s.watch_id), array_agg(s.row_key), array_agg(s.name), array_agg(s.epoch)
+      INTO v_watch_ids, v_row_keys, v_names, v_epochs
+      FROM shrunk s WHERE s.left_over = 0;
     -- A row can change only once per statement: drop the emptied ones now.
-    DELETE FROM pgbroker.interest i
-     USING unnest(v_watch_ids, v_row_keys) AS e(watch_id, row_key)
-     WHERE i.watch_id = e.watch_id AND i.row_key = e.row_key AND i.name = v_name AND i.epoch = v_epoch
-       AND cardinality(i.clients) = 0;
+    IF v_watch_ids IS NOT NULL THEN
+        DELETE FROM pgbroker.interest i
+         USING (SELECT f.ctid AS row_ctid
+                  FROM unnest(v_watch_ids, v_row_keys, v_names, v_epochs) AS e(watch_id, row_key, name, epoch)
+                 CROSS JOIN LATERAL (SELECT j.ctid FROM pgbroker.interest j
+                                      WHERE j.watch_id = e.watch_id AND j.row_key = e.row_key AND j.name = e.name
+                                        AND j.epoch = e.epoch
+                                     OFFSET 0) f) r
+         WHERE i.ctid = r.row_ctid AND cardinality(i.clients) = 0;
+    END IF;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._interest_remove(bigint, integer, jsonb) IS
-    'Internal: drop subscriptions of a client (one, or all when p_watch_id is NULL) and shrink pgbroker.interest.';
+COMMENT ON FUNCTION pgbroker._interest_shrink(integer[], jsonb[], text[], bigint[], text[]) IS
+    'Internal: strike client_ids[i] from the interest row of (watch_ids[i], row_keys[i], names[i], epochs[i]); rows left empty are deleted. A probe per row, locked in key order.';
 
 -- Before subscribing to a table: its triggers must be in place (a
 -- subscription to a table whose triggers are gone or disabled would never
@@ -2689,11 +2782,13 @@ DECLARE
     v_watch pgbroker.watched := pgbroker._watch_of(unsubscribe."table");
     v_key jsonb := pgbroker._encode_key(v_watch, unsubscribe.key);
 BEGIN
-    IF NOT EXISTS (SELECT FROM pgbroker.subscription s
-                    WHERE s.client_key = v_client AND s.watch_id = v_watch.watch_id AND s.row_key = v_key) THEN
+    DELETE FROM pgbroker.subscription s
+     WHERE s.client_key = v_client AND s.watch_id = v_watch.watch_id AND s.row_key = v_key;
+    IF NOT FOUND THEN
         RETURN false;
     END IF;
-    PERFORM pgbroker._interest_remove(v_client, v_watch.watch_id, v_key);
+    PERFORM pgbroker._interest_shrink(ARRAY[v_watch.watch_id], ARRAY[v_key], ARRAY[v_name], ARRAY[v_epoch],
+                                      ARRAY[unsubscribe.client_id]);
     IF pgbroker._registry_watched(v_name) THEN
         PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
                           pgbroker._registry_subscription_event('unsubscribe', v_name, v_epoch, unsubscribe.client_id,
@@ -2711,27 +2806,48 @@ COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
 -- A deleted client's subscriptions go with it; one of the current epoch
 -- (unregistered) also leaves the interest it made.  (The clients of earlier
 -- epochs are deleted by broker_sweep() after their subscriptions, and their
--- interest is deleted whole.)
-CREATE FUNCTION pgbroker._interest_drop_client()
+-- interest is deleted whole.)  Once per statement, with the deleted rows in
+-- hand: client_unregister_many() deletes ten thousand clients in one.  The
+-- subscriptions are found by the primary key's first column, each interest
+-- row by its whole key (_interest_shrink): no table here is joined on what
+-- its statistics say.
+CREATE FUNCTION pgbroker._interest_drop_clients()
 RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_watch_ids integer[];
+    v_row_keys jsonb[];
+    v_names text[];
+    v_epochs bigint[];
+    v_client_ids text[];
 BEGIN
-    IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
-        PERFORM pgbroker._interest_remove(OLD.client_key, NULL, NULL);
-    ELSE
-        DELETE FROM pgbroker.subscription s WHERE s.client_key = OLD.client_key;
+    WITH gone AS (
+        SELECT o.client_key, o.client_id, o.name, o.epoch,
+               o.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = o.name) AS current
+          FROM old_clients o
+    ), subs AS (
+        DELETE FROM pgbroker.subscription s WHERE s.client_key = ANY (ARRAY(SELECT g.client_key FROM gone g))
+        RETURNING s.client_key, s.watch_id, s.row_key
+    )
+    SELECT array_agg(s.watch_id), array_agg(s.row_key), array_agg(g.name), array_agg(g.epoch), array_agg(g.client_id)
+      INTO v_watch_ids, v_row_keys, v_names, v_epochs, v_client_ids
+      FROM subs s JOIN gone g ON g.client_key = s.client_key
+     WHERE g.current;
+    IF v_watch_ids IS NOT NULL THEN
+        PERFORM pgbroker._interest_shrink(v_watch_ids, v_row_keys, v_names, v_epochs, v_client_ids);
     END IF;
-    RETURN OLD;
+    RETURN NULL;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._interest_drop_client() IS
-    'Internal (trigger): delete a client''s subscriptions before the client; one of the current epoch also leaves pgbroker.interest.';
+COMMENT ON FUNCTION pgbroker._interest_drop_clients() IS
+    'Internal (statement trigger): delete the deleted clients'' subscriptions; those of the current epoch also leave pgbroker.interest.';
 
 CREATE TRIGGER _400_drop_interest
-BEFORE DELETE ON pgbroker.client
-FOR EACH ROW EXECUTE FUNCTION pgbroker._interest_drop_client();
+AFTER DELETE ON pgbroker.client
+REFERENCING OLD TABLE AS old_clients
+FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._interest_drop_clients();
 COMMENT ON TRIGGER _400_drop_interest ON pgbroker.client IS 'A deleted client''s subscriptions go with it, and an unregistered one leaves the interest they made.';
 
 -- ===== sql/500_outbox.sql =====
@@ -3071,19 +3187,28 @@ RETURNS void
 LANGUAGE sql
 AS $$
     WITH resolved AS MATERIALIZED (
-        SELECT o.id,
-               ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
-                      WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
-                        AND (o.op = 'T' OR i.row_key IN (o.row_key, 'null'::jsonb))
-                      ORDER BY 1) AS clients
+        SELECT o.ctid AS row_ctid,
+               -- (A row's subscribers by two probes on the interest's whole key: an OR with the
+               -- truncate's case made the planner read the table's whole interest for each row.)
+               CASE WHEN o.op = 'T'
+                    THEN ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                                WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
+                                ORDER BY 1)
+                    ELSE ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                                WHERE i.watch_id = o.watch_id AND i.row_key IN (o.row_key, 'null'::jsonb)
+                                  AND i.name = p_name AND i.epoch = p_epoch
+                                ORDER BY 1) END AS clients
           FROM pgbroker.outbox o
          WHERE o.name = p_name AND o.epoch = p_epoch AND o.clients IS NULL
     ), told AS (
+        -- Each row by its ctid (only this broker's session changes its rows): joined by (name, id), or
+        -- (name, epoch, id) on the plan of a generic estimate of one row, each was looked for among all the
+        -- epoch's rows, O(n^2): a fetch ran for minutes over 13,000 rows written while subscribes churned.
         UPDATE pgbroker.outbox o SET clients = r.clients
           FROM resolved r
-         WHERE o.name = p_name AND o.id = r.id AND r.clients <> '{}'
+         WHERE o.ctid = r.row_ctid AND r.clients <> '{}'
     )
-    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.name = p_name AND d.id = r.id AND r.clients = '{}';
+    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.ctid = r.row_ctid AND r.clients = '{}';
 $$;
 COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
     'Internal: give the outbox rows of a broker written with clients NULL the clients subscribed now; drop those with none.';
@@ -3165,6 +3290,13 @@ BEGIN
     IF v_unresolved THEN
         PERFORM pgbroker._outbox_resolve(outbox_fetch.name, v_epoch);
     END IF;
+    -- Rows that may name clients unregistered since: fetched without them (_outbox_fetch_departed).
+    IF EXISTS (SELECT FROM pgbroker.outbox_departed d
+                WHERE d.name = outbox_fetch.name AND d.epoch = v_epoch AND d.last_id > v_floor) THEN
+        RETURN QUERY SELECT * FROM pgbroker._outbox_fetch_departed(outbox_fetch.name, v_epoch, v_floor, outbox_fetch.max_rows,
+                                                                   outbox_fetch.ack);
+        RETURN;
+    END IF;
     RETURN QUERY
     WITH acked AS (  -- the previous batch, acknowledged in the same round trip
         DELETE FROM pgbroker.outbox b
@@ -3211,40 +3343,116 @@ COMMENT ON FUNCTION pgbroker.outbox_ack(text, bigint[]) IS
     'Holder only: acknowledge (delete) delivered notifications IDS of lease NAME; returns how many.';
 
 -- ---------------------------------------------------------------------------
--- An unregistered client is struck from the notifications still pending for
--- it (a row that named it alone is deleted).  A writer
+-- Unregistered clients are left out of the notifications still pending for
+-- them when those are fetched, not struck from them when they leave: a
+-- departure costs one row here whatever the backlog (striking it read every
+-- pending row of the epoch: 164 ms per unregister over 100,000 rows, issue
+-- 45).  A departure hides its client from the rows up to LAST_ID, the outbox
+-- sequence's value when it was recorded: a writer that read the interest
+-- after the unregister committed takes a later id, so a client registered
+-- again under the same id hears of the changes after that.  A writer
 -- transaction that read the interest before the unregister committed may
--- still name it: a broker ignores ids it no longer knows.
-CREATE FUNCTION pgbroker._outbox_forget_client()
+-- still name it in a later row: a broker ignores ids it no longer knows.
+-- UNLOGGED like the outbox, whose rows it qualifies; a fetch deletes the
+-- departures its floor has passed (no row they hide is left to fetch), the
+-- sweep those of earlier epochs.
+CREATE UNLOGGED TABLE pgbroker.outbox_departed (
+    name text NOT NULL,
+    epoch bigint NOT NULL,
+    client_id text NOT NULL,
+    last_id bigint NOT NULL,
+    PRIMARY KEY (name, epoch, client_id)
+);
+-- The primary key is the only index: with a second one on (name, epoch,
+-- last_id), a generic plan of the fetch's probe per client took the range
+-- last_id >= id over every departure of the epoch, for each client of each
+-- row (a fetch ran for minutes under churn).  The fetch reads the epoch's
+-- departures above its floor whole, and they are few (those of the last
+-- moments).
+COMMENT ON TABLE pgbroker.outbox_departed IS
+    'Internal: clients unregistered while notifications naming them may be pending; outbox_fetch() leaves them out of those rows.';
+COMMENT ON COLUMN pgbroker.outbox_departed.name IS 'The broker (lease name) of the client.';
+COMMENT ON COLUMN pgbroker.outbox_departed.epoch IS 'Its epoch.';
+COMMENT ON COLUMN pgbroker.outbox_departed.client_id IS 'The unregistered client.';
+COMMENT ON COLUMN pgbroker.outbox_departed.last_id IS 'The outbox rows with ids up to this one are fetched without the client.';
+
+-- outbox_fetch() while departures are recorded above its floor: the same
+-- rows, each client departed after the row was written left out (a probe
+-- per client of the rows up to the last departure), and the rows left with
+-- nobody deleted instead of returned.  Runs with outbox_fetch()'s settings.
+CREATE FUNCTION pgbroker._outbox_fetch_departed(p_name text, p_epoch bigint, p_floor bigint, p_max_rows integer,
+                                                p_ack bigint[])
+RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_upto bigint;
+BEGIN
+    DELETE FROM pgbroker.outbox_departed d WHERE d.name = p_name AND d.epoch = p_epoch AND d.last_id <= p_floor;
+    SELECT max(d.last_id) INTO v_upto FROM pgbroker.outbox_departed d WHERE d.name = p_name AND d.epoch = p_epoch;
+    RETURN QUERY
+    WITH acked AS (
+        DELETE FROM pgbroker.outbox b
+         WHERE b.name = p_name AND b.epoch = p_epoch AND b.id = ANY (p_ack)
+    ), batch AS MATERIALIZED (
+        SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.at,
+               CASE WHEN o.id > v_upto THEN o.clients
+                    ELSE ARRAY(SELECT x.c FROM unnest(o.clients) WITH ORDINALITY AS x(c, n)
+                                WHERE NOT EXISTS (SELECT FROM pgbroker.outbox_departed d
+                                                   WHERE d.name = p_name AND d.epoch = p_epoch AND d.client_id = x.c
+                                                     AND d.last_id >= o.id)
+                                ORDER BY x.n) END AS clients
+          FROM pgbroker.outbox o
+         WHERE o.name = p_name AND o.epoch = p_epoch AND o.id > p_floor
+           AND (p_ack IS NULL OR o.id <> ALL (p_ack))
+           AND o.id < COALESCE((SELECT min(u.id) FROM pgbroker.outbox u
+                                 WHERE u.name = p_name AND u.epoch = p_epoch AND u.clients IS NULL),
+                               9223372036854775807)
+         ORDER BY o.id
+         LIMIT p_max_rows
+    ), emptied AS (
+        DELETE FROM pgbroker.outbox e
+         WHERE e.name = p_name AND e.epoch = p_epoch AND e.id = ANY (ARRAY(SELECT b.id FROM batch b WHERE b.clients = '{}'))
+    )
+    SELECT b.id, (SELECT w.relid::regclass::text FROM pgbroker.watched w WHERE w.watch_id = b.watch_id),
+           b.op::text, b.row_key, b.changed, b.clients, b.at
+      FROM batch b
+     WHERE b.clients <> '{}'
+     ORDER BY b.id;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._outbox_fetch_departed(text, bigint, bigint, integer, bigint[]) IS
+    'Internal: outbox_fetch() while clients departed (pgbroker.outbox_departed): the rows without them, those left with nobody deleted.';
+
+-- Once per statement: client_unregister_many() deletes thousands at once.
+CREATE FUNCTION pgbroker._outbox_forget_clients()
 RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_last bigint;
 BEGIN
+    -- The last id handed out (NULL, never called: 0), read without a scan of the sequence.
+    v_last := coalesce(pg_sequence_last_value('pgbroker.outbox_id_seq'::regclass), 0);
     -- (Clients of an earlier epoch: their rows are never fetched, and broker_sweep() deletes them.)
-    IF OLD.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = OLD.name) THEN
-        -- The rows first, locked in id order as an ack locks them: two
-        -- passes (deleting, then updating) each taking its rows as it went
-        -- deadlocked with an ack holding a row of the second pass and
-        -- waiting for one of the first.
-        PERFORM FROM pgbroker.outbox o
-          WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients @> ARRAY[OLD.client_id]
-          ORDER BY o.id FOR UPDATE;
-        DELETE FROM pgbroker.outbox o
-         WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients = ARRAY[OLD.client_id];
-        UPDATE pgbroker.outbox o SET clients = array_remove(o.clients, OLD.client_id)
-         WHERE o.name = OLD.name AND o.epoch = OLD.epoch AND o.clients @> ARRAY[OLD.client_id];
-    END IF;
-    RETURN OLD;
+    INSERT INTO pgbroker.outbox_departed AS d (name, epoch, client_id, last_id)
+    SELECT o.name, o.epoch, o.client_id, v_last
+      FROM old_clients o
+     WHERE o.epoch = (SELECT l.epoch FROM pgbroker.lease l WHERE l.name = o.name)
+    ON CONFLICT (name, epoch, client_id) DO UPDATE SET last_id = excluded.last_id;
+    RETURN NULL;
 END
 $$;
-COMMENT ON FUNCTION pgbroker._outbox_forget_client() IS
-    'Internal (trigger): strike an unregistered client from its broker''s pending notifications.';
+COMMENT ON FUNCTION pgbroker._outbox_forget_clients() IS
+    'Internal (statement trigger): record the unregistered clients in pgbroker.outbox_departed; fetches leave them out of the rows pending then.';
 
 CREATE TRIGGER _500_forget_client
-BEFORE DELETE ON pgbroker.client
-FOR EACH ROW EXECUTE FUNCTION pgbroker._outbox_forget_client();
-COMMENT ON TRIGGER _500_forget_client ON pgbroker.client IS 'An unregistered client is struck from the notifications pending for it.';
+AFTER DELETE ON pgbroker.client
+REFERENCING OLD TABLE AS old_clients
+FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._outbox_forget_clients();
+COMMENT ON TRIGGER _500_forget_client ON pgbroker.client IS 'An unregistered client is left out of the notifications pending for it when they are fetched.';
 
 -- ===== sql/550_sweep.sql =====
 
@@ -3298,6 +3506,13 @@ BEGIN
         GET DIAGNOSTICS v_done = ROW_COUNT;
         v_left := v_left - v_done;
         EXIT WHEN v_left <= 0;
+        DELETE FROM pgbroker.outbox_departed d
+         WHERE d.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.outbox_departed x
+                                    WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
+                                    LIMIT v_left FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_done = ROW_COUNT;
+        v_left := v_left - v_done;
+        EXIT WHEN v_left <= 0;
         DELETE FROM pgbroker.interest i
          WHERE i.ctid = ANY (ARRAY(SELECT x.ctid FROM pgbroker.interest x
                                     WHERE x.name = v_lease.name AND x.epoch < v_lease.epoch
@@ -3329,7 +3544,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.broker_sweep(text, integer) IS
-$$Delete about MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications, interest, clients with their subscriptions, broker state, in that order. Returns how many it deleted: call it again until it returns 0. Also records and announces TTL leases that expired unnoticed (lease_expiry_check).
+$$Delete about MAX_ROWS rows that earlier epochs of lease NAME (NULL: of every lease) left behind: pending notifications (and the clients departed from them), interest, clients with their subscriptions, broker state, in that order. Returns how many it deleted: call it again until it returns 0. Also records and announces TTL leases that expired unnoticed (lease_expiry_check).
 Those rows are invisible from the moment a new epoch is claimed; sweeping only frees their space. Nobody waits for a sweep (writers, subscribers and the new broker never touch those rows), and two sweeps skip each other's rows. Call it in autocommit mode, so each batch commits on its own.$$;
 
 -- ===== sql/600_triggers.sql =====
@@ -6197,6 +6412,7 @@ GRANT EXECUTE ON FUNCTION
     pgbroker.client_register_many(text[], jsonb[], text, bigint),
     pgbroker.client_update(text, jsonb, text, bigint),
     pgbroker.client_unregister(text, text, bigint),
+    pgbroker.client_unregister_many(text[], text, bigint),
     pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval),
     pgbroker.subscribe_many(text[], regclass, jsonb[], text, bigint, interval),
     pgbroker.unsubscribe(text, regclass, jsonb, text, bigint),

@@ -62,7 +62,8 @@ REPO = HERE.parents[1]
 DEFAULT_OUT = REPO / "tests" / "benchmarks" / "results"
 ENDURANCE_FILE = "endurance.json"  # written by bench_endurance.py (endurance_no_data.json with --no-data)
 INSTALLS_FILE = "installs.json"  # written by bench_installs.py
-ON_DEMAND_HEADINGS = ("## Endurance", "## Installs")  # the sections write_on_demand rewrites
+CHURN_FILE = "churn.json"  # written by bench_churn.py
+ON_DEMAND_HEADINGS = ("## Endurance", "## Installs", "## Churn")  # the sections write_on_demand rewrites
 INSTALL_HINT = "matplotlib is needed for the plots: python3 -m pip install -e '.[bench]' (or: pip install matplotlib)"
 
 RATIO_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)x\s*$")
@@ -714,11 +715,66 @@ def installs_markdown(data: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def churn_markdown(data: dict[str, Any]) -> str:
+    """The churn section: client_unregister at two sizes and with a backlog (ratios, CPU per call), the mass
+    departure, the churn run minute by minute, and the targets of bench_churn.verdicts."""
+    m = data["micro"]
+    s = data["settings"]
+    out = [
+        "## Churn (bench_churn.py)",
+        "",
+        f"PostgreSQL {data.get('server', '?')}, {data.get('cpus', '?')} CPUs, {data.get('date', '?')}"
+        + (f", commit {data['commit']}" if "commit" in data else "")
+        + f"; load average {data['load_start'][0]:.2f} at the start and {data['load_end'][0]:.2f} at the end."
+        " client_unregister of a client with 10 subscriptions, median of 20 autocommit calls, just after"
+        " client_register_many / subscribe_many with no ANALYZE (statistics stale: autovacuum off on pgbroker's"
+        " tables), wall time and the server backend's CPU per call:",
+        "",
+        "| situation | wall | server CPU | ratio |",
+        "|---|---|---|---|",
+        f"| 1,000 x 10 | {m['small']['ms']:.2f} ms | {m['small']['cpu_ms']:.2f} ms | 1.00x |",
+        f"| {s['clients']:,} x 10 | {m['large']['ms']:.2f} ms | {m['large']['cpu_ms']:.2f} ms"
+        f" | {m['large']['ms'] / m['small']['ms']:.2f}x of 1,000 x 10 |",
+        f"| {s['clients']:,} x 10, {m['pending']:,} outbox rows pending | {m['backlog']['ms']:.2f} ms"
+        f" | {m['backlog']['cpu_ms']:.2f} ms | {m['backlog']['ms'] / m['large']['ms']:.2f}x of none pending |",
+        f"| client_unregister_many of {m['mass']['clients']:,}, {m['mass']['pending']:,} pending"
+        f" | {m['mass']['s']:.3f} s | {m['mass']['cpu_s']:.3f} s | |",
+        "",
+        f"Churn: {s['clients']:,} clients x 10 subscriptions loaded with no ANALYZE (autovacuum on), a writer at"
+        f" {s['write_rate']} single-row UPDATEs/s, the broker draining, {s['churn_rate']} clients/s leaving and"
+        " coming back (client_unregister, client_register, subscribe_many of 10, a read of the 10 rows) from"
+        " sessions passing the epoch. Per minute: the registry calls' p50 / p99, the delivery p99 (the change's"
+        " statement start to its row fetched), the churning backends' CPU per registry call.",
+        "",
+        "| minute | registry calls | registry p50 | registry p99 | rows delivered | delivery p99 | CPU per call |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for x in data["churn"]["minutes"]:
+        out.append(
+            f"| {x['minute']} | {x['registry_calls']:,} | {x['registry_p50_ms']:.2f} ms | {x['registry_p99_ms']:.2f} ms"
+            f" | {x['delivered']:,} | {x['delivery_p99_ms']:.2f} ms | {x['cpu_per_call_ms']:.3f} ms |"
+        )
+    c = data["churn"]["mass"]
+    out += [
+        "",
+        f"Then client_unregister_many of {c['clients']:,} clients ({c['pending']:,} rows pending):"
+        f" {c['s']:.3f} s, {c['cpu_s']:.3f} s of server CPU. Errors during the run: {data['churn']['errors']}.",
+        "",
+        "| target | value | met |",
+        "|---|---|---|",
+    ]
+    for v in data["verdicts"]:
+        out.append(f"| {v['name']}: under {v['target']} | {v['value']:.3f} | {'met' if v['met'] else 'MISSED'} |")
+    return "\n".join(out) + "\n"
+
+
 def on_demand_markdown(out: Path) -> str:
     """The sections of the on-demand runs whose JSON files are in out (empty when none is)."""
     parts = [endurance_markdown(data, plot_endurance(data, out, stem)) for stem, data in load_endurance(out)]
     if (out / INSTALLS_FILE).exists():
         parts.append(installs_markdown(_load(out / INSTALLS_FILE)))
+    if (out / CHURN_FILE).exists():
+        parts.append(churn_markdown(_load(out / CHURN_FILE)))
     return "".join("\n" + p for p in parts)
 
 
