@@ -218,6 +218,7 @@ def test_no_plan_of_the_broker_loop_is_disabled_or_jit_compiled(connect, watch_m
     claim(broker)
     register(broker, "c")
     broker.execute("SELECT pgbroker.subscribe('c', %s::regclass, '1'::jsonb)", (OBJECTS,))
+    register(broker, "leaves")
     for conn in (broker, writer, rr_writer):
         conn.execute("LOAD 'auto_explain'")
         conn.execute(
@@ -228,9 +229,12 @@ def test_no_plan_of_the_broker_loop_is_disabled_or_jit_compiled(connect, watch_m
     listen(broker)
     wake(broker)
     for turn in range(3):
+        broker.execute("SELECT pgbroker.subscribe('leaves', %s::regclass, '1'::jsonb)", (OBJECTS,))
         writer.execute("UPDATE initech.objects SET name = %s WHERE id = 1", (f"turn {turn}",))
         with rr_writer.transaction():  # its row names no clients: resolved by the fetch
             rr_writer.execute("UPDATE initech.objects SET name = %s WHERE id = 1", (f"rr turn {turn}",))
+        # A client that leaves with a change pending for it: the fetch leaves it out (outbox_departed).
+        broker.execute("SELECT pgbroker.client_unregister('leaves')")
         time.sleep(0.12)  # the fetch's floor takes a new (sequence value, xid) at most every 100 ms
         ids = [r[0] for r in broker.execute("SELECT id FROM pgbroker.outbox_fetch()").fetchall()]
         assert ids
@@ -238,6 +242,8 @@ def test_no_plan_of_the_broker_loop_is_disabled_or_jit_compiled(connect, watch_m
         broker.execute("SELECT pgbroker.outbox_ack('default', %s)", (ids,))
         assert sleep(broker) == "asleep"
         wake(broker)
+        register(broker, "leaves")
+    assert any("outbox_departed" in n for n in notices)  # the fetch's path for departed clients ran
     # The fetches read the outbox sequence for their floor, and moved it up.
     floor = broker.execute("SELECT current_setting('pgbroker.outbox_floor')").fetchone()[0]
     assert int(floor.split(":")[1]) > 0
