@@ -563,11 +563,16 @@ def test_planted_faults_are_found_in_real_histories(server: EmbeddedPostgres, db
     ops = run(server, db_url, WORKLOADS["kv"], "none", tmp_path / "kv", seconds=1.0)
     assert check(KVModel(), ops).ok
     sets = [o for o in ops if o.kind in ("set", "cas") and isinstance(o.output, int)]
-    earlier, later = next(
-        (a, b) for a in sets for b in sets if a.key == b.key and a.ret is not None and a.ret < b.call and a.output > 2
+    # The first such pair with a version below the earlier set's that no set of the key returned (the versions
+    # come from one sequence for every key: a key's first sets can have taken every number below theirs).
+    later, lower = next(
+        (b, max(free))
+        for a in sets
+        for b in sets
+        if a.key == b.key and a.ret is not None and a.ret < b.call
+        for free in [[v for v in range(1, a.output) if v not in {o.output for o in sets if o.key == a.key}]]
+        if free
     )
-    used = {o.output for o in sets if o.key == earlier.key}
-    lower = max(v for v in range(1, earlier.output) if v not in used)
     planted = _renumber(ops, later.key, later.output, lower)
     assert check(KVModel(versions_grow=False), planted).ok
     assert not check(KVModel(), planted).ok
