@@ -186,8 +186,13 @@ def test_subscribe_waits_for_a_writer_past_its_trigger(connect, watch_mode):
 
 @pytest.mark.slow
 def test_no_outbox_row_is_stranded_longer_than_the_poll_interval(connect, watch_mode):
+    # Counted in fetches, not in milliseconds: a row committed before a fetch
+    # started is in that fetch, or (held behind a row another writer
+    # committed unresolved meanwhile: see outbox_fetch) in the next one.  A
+    # wall-clock bound failed on a loaded CI machine (a 300 ms stall of the
+    # test's own threads) without anything being late in fetches.  Lost
+    # wake-ups, which polling hides here, are tests/test_wakeup.py's.
     poll = 0.2
-    slack = 0.3
     admin, consumer = connect("admin"), connect("consumer")
     admin.execute("CREATE TABLE public.events (id bigint PRIMARY KEY, by text)")
     watch(admin, "public.events", watch_mode)
@@ -197,6 +202,8 @@ def test_no_outbox_row_is_stranded_longer_than_the_poll_interval(connect, watch_
     listen(consumer)
     committed: dict[int, float] = {}
     fetched: dict[int, float] = {}
+    fetched_by: dict[int, int] = {}  # key -> the index of the fetch that returned it first
+    fetches: list[tuple[float, bool]] = []  # (start, full) of each fetch, in order
     stop_writers, stop_consumer = threading.Event(), threading.Event()
     counter = itertools.count(1)
     errors: list[BaseException] = []
@@ -206,11 +213,14 @@ def test_no_outbox_row_is_stranded_longer_than_the_poll_interval(connect, watch_
         try:
             wake(consumer)
             while not stop_consumer.is_set():
+                start = time.monotonic()
                 rows = fetch(consumer, max_rows=500)
+                fetches.append((start, len(rows) == 500))
                 if rows:
                     now = time.monotonic()
                     for r in rows:
                         fetched.setdefault(r["key"], now)
+                        fetched_by.setdefault(r["key"], len(fetches) - 1)
                     ack(consumer, [r["id"] for r in rows])
                     continue
                 state = sleep(consumer)
@@ -264,7 +274,14 @@ def test_no_outbox_row_is_stranded_longer_than_the_poll_interval(connect, watch_
     assert len(committed) >= 100
     delays = sorted(fetched[k] - committed[k] for k in committed)
     print(f"rows={len(delays)} p50={statistics.median(delays) * 1000:.1f}ms max={delays[-1] * 1000:.1f}ms {sleeps}")
-    assert delays[-1] <= poll + slack, delays[-10:]
+    # The fetches that started after a row's commit, were not cut short by
+    # max_rows, and came back without it.
+    missed = {
+        k: sum(1 for start, full in fetches[: fetched_by[k]] if start > committed[k] and not full) for k in committed
+    }
+    worst = sorted(missed.items(), key=lambda kv: kv[1])[-5:]
+    print(f"fetches={len(fetches)} most fetches that missed a committed row: {worst}")
+    assert max(missed.values()) <= 2, worst
     assert sleeps["busy"] > 0  # the long-open writers did keep the broker awake at times
     # Every row fetched once (acknowledged rows never come back) and the outbox is empty.
     assert admin.execute("SELECT count(*) FROM pgbroker.outbox").fetchone() == (0,)
