@@ -2,11 +2,11 @@
 
 sql/ changes (a new function with its comment and grant, a new index with its
 comment); ``migrations/new_revision.py`` drafts the revision: the functions
-written for it (``schema_version()`` included, at ``0.1.0+3``), the index
+written for it (``schema_version()`` included, at ``0.1.0+N``, N its number), the index
 left as a TODO line; the TODO is written by hand, as a developer would; then
 the copy's revisions, from the last release up, build the same catalog as
 the copy's sql/, and the downgrade gives back the release's catalog.  The
-copy's package, which now expects 0.1.0+3, then works against the 0.1.0
+copy's package, which now expects 0.1.0+N, then works against the 0.1.0
 schema (a new package before ``pgbroker migrate``), with a warning.
 """
 
@@ -82,22 +82,26 @@ def test_a_schema_change_becomes_a_revision(pg_server, tmp_path):
     )
     assert drafted.returncode == 0, drafted.stdout + drafted.stderr
     versions = copy / "migrations" / "versions"
-    stem = "0003_outbox_size"
+    revisions = sorted(versions.glob("[0-9][0-9][0-9][0-9]_*.py"))
+    number = len(revisions)  # the drafted one's; unreleased revisions may come before it
+    head = _module_from(revisions[-2], "head_revision").revision
+    stem = f"{number:04d}_outbox_size"
+    version = f"0.1.0+{number}"
     upgrade = (versions / f"{stem}.sql").read_text()
     assert "CREATE OR REPLACE FUNCTION pgbroker.outbox_size()" in upgrade
     assert "GRANT EXECUTE ON FUNCTION pgbroker.outbox_size() TO pgbroker_reader;" in upgrade
-    assert "SELECT '0.1.0+3'::text" in upgrade  # schema_version(), rewritten in sql/000 and install.py too
+    assert f"SELECT '{version}'::text" in upgrade  # schema_version(), rewritten in sql/000 and install.py too
     assert not [line for line in upgrade.splitlines() if "<database>" in line], upgrade
-    assert 'SCHEMA_VERSION = "0.1.0+3"' in (copy / "pgbroker" / "install.py").read_text()
+    assert f'SCHEMA_VERSION = "{version}"' in (copy / "pgbroker" / "install.py").read_text()
     todo = [line for line in upgrade.splitlines() if line.startswith("-- TODO")]
     assert any("outbox_watch_id: only in sql/" in line for line in todo), upgrade
     assert "DROP FUNCTION pgbroker.outbox_size();" in (versions / f"{stem}.downgrade.sql").read_text()
     assert schema_version_problems(versions) == []
     module = _module_from(versions / f"{stem}.py", "drafted_revision")
     assert (module.revision, module.down_revision, module.schema_version) == (
-        "pgbroker_0003_outbox_size",
-        "pgbroker_0002_initech",
-        "0.1.0+3",
+        f"pgbroker_{stem}",
+        head,
+        version,
     )
 
     # The developer writes the TODO's statements by hand, with their downgrade.
@@ -123,7 +127,7 @@ def test_a_schema_change_becomes_a_revision(pg_server, tmp_path):
     report = diff_snapshots(at_release, snapshot(built), "0.1.0", "downgraded from the new revision")
     assert not report, report
 
-    # The copy's package expects 0.1.0+3: against the 0.1.0 schema (before `pgbroker migrate` in a deploy) its
+    # The copy's package expects 0.1.0+N: against the 0.1.0 schema (before `pgbroker migrate` in a deploy) its
     # Broker works, with a warning naming both versions and the command that fixes it.
     newer_package = subprocess.run(
         [sys.executable, "-c", NEW_PACKAGE_BROKER, built],
@@ -136,5 +140,5 @@ def test_a_schema_change_becomes_a_revision(pg_server, tmp_path):
     assert newer_package.returncode == 0, newer_package.stdout + newer_package.stderr
     said = newer_package.stdout.strip().split("|")
     assert said == [str(copy / "pgbroker" / "__init__.py"), "0.1.0", "[('I', 7, ['c1'])]"], said
-    says = "installed pgbroker schema version 0.1.0 is older than this package's 0.1.0+3: run pgbroker migrate"
+    says = f"installed pgbroker schema version 0.1.0 is older than this package's {version}: run pgbroker migrate"
     assert says in newer_package.stderr, newer_package.stderr

@@ -15,7 +15,8 @@
   replaces a function the watch triggers call on every write
   (``pgbroker._epoch_alive``) and adds an index to ``pgbroker.outbox``, whose
   ShareLock every writer's trigger conflicts with, and sets schema_version()
-  to ``0.1.0+3``.  The real revisions made from now on take the same path.
+  to the next number after HEAD's (``0.1.0+4`` after revision 0003), as
+  migrations/new_revision.py would.  The real revisions take the same path.
 * A long transaction the upgrade cannot get past: it gives up after its
   retries with one line, nothing changed, and writers were never queued
   behind it.
@@ -53,7 +54,8 @@ from tests.lease_util import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK_TIMEOUT = 0.5
-PRACTICE_VERSION = "0.1.0+3"
+# The practice revision's number and schema version: one after HEAD's, as new_revision.py numbers them.
+PRACTICE_NUMBER = len(list((REPO / "migrations" / "versions").glob("[0-9][0-9][0-9][0-9]_*.py"))) + 1
 ITEMS = "CREATE TABLE public.items (id bigint PRIMARY KEY, v integer)"
 
 
@@ -62,6 +64,7 @@ def _release_module():
 
 
 RELEASES = _release_module().load()
+PRACTICE_VERSION = f"{RELEASES[-1]['schema_version']}+{PRACTICE_NUMBER}"
 
 
 def _execute(url: str, *statements: str) -> None:
@@ -76,7 +79,7 @@ def _scalar(url: str, query: str) -> object:
 
 
 def _practice_migrations(tmp_path: Path, url_with_release: str, down_revision: str) -> Path:
-    """A copy of migrations/ plus one revision: _epoch_alive replaced, an index on the outbox, schema 0.1.0+3."""
+    """A copy of migrations/ plus one revision: _epoch_alive replaced, an index on the outbox, PRACTICE_VERSION."""
     where = tmp_path / "migrations"
     shutil.copytree(install.migrations_path(), where, ignore=shutil.ignore_patterns("__pycache__"))
     definition = _scalar(
@@ -89,12 +92,13 @@ def _practice_migrations(tmp_path: Path, url_with_release: str, down_revision: s
         "SET search_path = pg_catalog, pg_temp\nAS $$ SELECT '{}'::text $$;\n"
     )
     versions = where / "versions"
-    (versions / "0003_practice.py").write_text(
+    stem = f"{PRACTICE_NUMBER:04d}_practice"
+    (versions / f"{stem}.py").write_text(
         f'''"""practice: replace _epoch_alive, index the outbox by watch_id (a test's revision)."""
 
 from pgbroker.install import run_revision_sql
 
-revision = "pgbroker_0003_practice"
+revision = "pgbroker_{stem}"
 down_revision = {down_revision!r}
 branch_labels = None
 depends_on = None
@@ -109,13 +113,13 @@ def downgrade() -> None:
     run_revision_sql(__file__, "downgrade")
 '''
     )
-    (versions / "0003_practice.sql").write_text(
+    (versions / f"{stem}.sql").write_text(
         "CREATE INDEX outbox_watch_id ON pgbroker.outbox (watch_id);\n"
         "COMMENT ON INDEX pgbroker.outbox_watch_id IS 'The practice revision''s index.';\n"
         f"{replaced};\n" + version_sql.format(PRACTICE_VERSION)
     )
-    (versions / "0003_practice.downgrade.sql").write_text(
-        f"DROP INDEX pgbroker.outbox_watch_id;\n{definition.rstrip()};\n" + version_sql.format("0.1.0")
+    (versions / f"{stem}.downgrade.sql").write_text(
+        f"DROP INDEX pgbroker.outbox_watch_id;\n{definition.rstrip()};\n" + version_sql.format(install.SCHEMA_VERSION)
     )
     return where
 
@@ -387,7 +391,7 @@ def _pretend_schema(url: str, version: str) -> None:
 @pytest.mark.parametrize(
     ("installed", "says"),
     [
-        ("0.0.9", "is older than this package's 0.1.0, and older than the oldest it works with (0.1.0)"),
+        ("0.0.9", f"is older than this package's {install.SCHEMA_VERSION}, and older than the oldest it works with (0.1.0)"),
         ("pgbroker_0001_baseline", "is not a release's (a development install from before 0.1.0?)"),
     ],
 )
