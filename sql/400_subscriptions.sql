@@ -116,10 +116,14 @@ DECLARE
     v_names text[];
     v_epochs bigint[];
 BEGIN
+    -- Each row once, however many of its clients leave (locking a row once
+    -- per departing client cost 16 us a pair: 1.6 s of a departure of
+    -- 10,000 clients with 10 subscriptions each; once per row, 0.3 s).
     PERFORM
-       FROM (SELECT u.watch_id, u.row_key, u.name, u.epoch   -- (a row given twice is locked twice: no matter)
+       FROM (SELECT u.watch_id, u.row_key, u.name, u.epoch
                FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs) AS u(watch_id, row_key, name, epoch)
               -- (jsonb compares slowly: sorting 100,000 keys took 0.4 s; their hashes first, the keys on a tie)
+              GROUP BY u.watch_id, jsonb_hash(u.row_key), u.row_key, u.name, u.epoch
               ORDER BY u.watch_id, jsonb_hash(u.row_key), u.row_key, u.name, u.epoch) g
       CROSS JOIN LATERAL (SELECT FROM pgbroker.interest i
                            WHERE i.watch_id = g.watch_id AND i.row_key = g.row_key AND i.name = g.name AND i.epoch = g.epoch
@@ -127,7 +131,7 @@ BEGIN
     WITH gone AS (
         SELECT u.watch_id, u.row_key, u.name, u.epoch, array_agg(u.client_id) AS gone
           FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs, p_client_ids) AS u(watch_id, row_key, name, epoch, client_id)
-         GROUP BY u.watch_id, u.row_key, u.name, u.epoch
+         GROUP BY u.watch_id, jsonb_hash(u.row_key), u.row_key, u.name, u.epoch
     ), shrunk AS (
         UPDATE pgbroker.interest i
            SET clients = CASE WHEN cardinality(r.gone) = 1 THEN array_remove(i.clients, r.gone[1])
