@@ -99,9 +99,16 @@ DECLARE
 BEGIN
     PERFORM pgbroker._name_check('lease', registry_watch_begin.name, false);
     PERFORM pg_advisory_lock_shared(pgbroker._lock_class_registry(), v_key);
-    PERFORM set_config('pgbroker.registry_watching', 'on', false);   -- this session's own changes: see _registry_watched
-    -- Wait for the changes that looked for watchers before we registered.
-    PERFORM pg_advisory_xact_lock(pgbroker._lock_class_registry_write(), v_key);
+    BEGIN
+        PERFORM set_config('pgbroker.registry_watching', 'on', false);   -- this session's own changes: see _registry_watched
+        -- Wait for the changes that looked for watchers before we registered.
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_registry_write(), v_key);
+    EXCEPTION WHEN query_canceled OR others THEN
+        -- A cancel or statement_timeout while waiting: not registered (the
+        -- session lock above outlives the error, so it goes here).
+        PERFORM pg_advisory_unlock_shared(pgbroker._lock_class_registry(), v_key);
+        RAISE;
+    END;
 END
 $$;
 COMMENT ON FUNCTION pgbroker.registry_watch_begin(text) IS

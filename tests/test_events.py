@@ -281,6 +281,24 @@ def test_a_watcher_waits_for_changes_that_looked_before_it_registered(connect):
     assert admin.execute("SELECT 1").fetchone() == (1,)
 
 
+def test_a_watcher_cancelled_while_it_waits_is_not_registered(connect):
+    """registry_watch_begin cut short (statement_timeout, a cancel) while it waits for a change in flight leaves
+    no registration behind: changes are not announced for a watcher that was told it failed."""
+    broker, admin = connect("broker"), connect("admin")
+    claim(broker)
+    writer = connect("writer", autocommit=False)
+    epoch = broker.execute("SELECT epoch FROM pgbroker.brokers WHERE name = 'default'").fetchone()[0]
+    writer.execute("SELECT pgbroker.client_register('slow', epoch => %s)", (epoch,))  # looked: nobody watches
+    w = connect("frontend", user="t_reader")
+    w.execute("SET statement_timeout = '200ms'")
+    with pytest.raises(psycopg.errors.QueryCanceled):
+        w.execute("SELECT pgbroker.registry_watch_begin()")
+    held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 1885823591 AND pid = %s"
+    assert admin.execute(held, (w.info.backend_pid,)).fetchone() == (0,)
+    assert w.execute("SELECT pgbroker.registry_watch_end()").fetchone() == (False,)
+    writer.commit()
+
+
 def test_registry_feed_keeps_a_live_copy_across_epochs(connect, db_url):
     broker = connect("broker")
     claim(broker, "feed")

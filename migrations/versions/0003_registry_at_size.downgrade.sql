@@ -79,6 +79,22 @@ AS $function$
     )
     DELETE FROM pgbroker.outbox d USING resolved r WHERE d.ctid = r.row_ctid AND r.clients = '{}';
 $function$;
+CREATE OR REPLACE FUNCTION pgbroker.registry_watch_begin(name text DEFAULT 'default'::text)
+ RETURNS void
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_key integer := pgbroker._registry_key(pgbroker._check_name(registry_watch_begin.name));
+BEGIN
+    PERFORM pgbroker._name_check('lease', registry_watch_begin.name, false);
+    PERFORM pg_advisory_lock_shared(pgbroker._lock_class_registry(), v_key);
+    PERFORM set_config('pgbroker.registry_watching', 'on', false);   -- this session's own changes: see _registry_watched
+    -- Wait for the changes that looked for watchers before we registered.
+    PERFORM pg_advisory_xact_lock(pgbroker._lock_class_registry_write(), v_key);
+END
+$function$;
 CREATE OR REPLACE FUNCTION pgbroker.schema_version()
  RETURNS text
  LANGUAGE sql
