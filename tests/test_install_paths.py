@@ -74,17 +74,11 @@ def downgrade() -> None:
 
 
 def core_revision() -> str:
-    """The head of pgbroker's revisions without the initech one: the revision that installs the core."""
+    """The head of pgbroker's revisions: one line, the initech revision a step in it (a no-op with -x initech=no)."""
     script = ScriptDirectory(str(install.migrations_path()))
-    core = {r.revision: r for r in script.walk_revisions() if "initech" not in r.revision}
-    downs = {d for r in core.values() for d in _as_tuple(r.down_revision)}
-    heads = [rev for rev in core if rev not in downs]
+    heads = script.get_heads()
     assert len(heads) == 1, heads
     return heads[0]
-
-
-def _as_tuple(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
 
 
 def _execute(url: str, query: str) -> None:
