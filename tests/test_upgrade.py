@@ -391,7 +391,10 @@ def _pretend_schema(url: str, version: str) -> None:
 @pytest.mark.parametrize(
     ("installed", "says"),
     [
-        ("0.0.9", f"is older than this package's {install.SCHEMA_VERSION}, and older than the oldest it works with (0.1.0)"),
+        (
+            "0.0.9",
+            f"is older than this package's {install.SCHEMA_VERSION}, and older than the oldest it works with (0.1.0)",
+        ),
         ("pgbroker_0001_baseline", "is not a release's (a development install from before 0.1.0?)"),
     ],
 )
