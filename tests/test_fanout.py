@@ -256,6 +256,36 @@ def test_an_unregister_never_waits_for_an_ack_holding_its_rows(connect, watch_mo
     assert raw_outbox(writer) == []
 
 
+def test_a_departure_that_waits_for_a_subscribe_keeps_the_client_it_added(connect, watch_mode):
+    """A mass departure locks each interest row and computes the clients left from the row as locked: one that
+    waited for a subscribe to the same row keeps the client the subscribe added (computed from the row as its
+    snapshot saw it, that client would be dropped from the interest and never told of the row again)."""
+    broker, other, writer = connect("broker"), connect("subscriber"), connect("writer")
+    epoch = claim(broker)
+    seed_objects(writer, [1, 2])
+    for client in ("x", "y", "z"):
+        register(broker, client)
+    for client, key in (("x", 1), ("y", 1), ("x", 2)):
+        subscribe(broker, client, key=key)
+    gone: list[int] = []
+    with other.transaction():
+        subscribe(other, "z", key=1, epoch=epoch)  # holds interest row 1 until the commit
+        departure = threading.Thread(
+            target=lambda: gone.append(
+                broker.execute("SELECT pgbroker.client_unregister_many(ARRAY['x', 'y'])").fetchone()[0]
+            )
+        )
+        departure.start()
+        wait_until(lambda: writer.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%unregister_many%'"
+        ).fetchone()[0] == 1)  # fmt: skip
+    departure.join(10)
+    assert gone == [2]
+    assert broker.execute("SELECT row_key, clients FROM pgbroker.interest").fetchall() == [(1, ["z"])]
+    writer.execute("UPDATE initech.objects SET name = 'x'")
+    assert summary(drain(broker)) == [("U", 1, ["name"], ("z",))]
+
+
 def test_fetch_lists_clients_in_subscription_order_and_leaves_out_unregistered_ones(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)
