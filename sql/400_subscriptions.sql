@@ -137,14 +137,16 @@ BEGIN
     IF v_rows IS NULL THEN
         RETURN;
     END IF;
-    -- (ctid = ANY: a TID scan, whatever the table's statistics say.)
+    -- Joined by ctid alone: a TID probe per row given, whatever the table's
+    -- statistics say.  (With ctid = ANY (v_rows) as well, the generic plan
+    -- scanned the TIDs and the unnest again for each: 30,000 rows took 5 s.)
     UPDATE pgbroker.interest i
        SET clients = r.clients::text[]
       FROM unnest(v_rows, v_clients) AS r(row_ctid, clients)
-     WHERE i.ctid = ANY (v_rows) AND i.ctid = r.row_ctid AND r.clients <> '{}';
+     WHERE i.ctid = r.row_ctid AND r.clients <> '{}';
     DELETE FROM pgbroker.interest i
      USING unnest(v_rows, v_clients) AS r(row_ctid, clients)
-     WHERE i.ctid = ANY (v_rows) AND i.ctid = r.row_ctid AND r.clients = '{}';
+     WHERE i.ctid = r.row_ctid AND r.clients = '{}';
 END
 $$;
 COMMENT ON FUNCTION pgbroker._interest_shrink(integer[], jsonb[], text[], bigint[], text[]) IS
