@@ -31,7 +31,6 @@ from pgbroker._core import (
     CONFLICT_RETRIES,
     CONFLICT_SQLSTATES,
     DEAD_MAN_SQL,
-    FETCH_SQL,
     HEARTBEAT_SQL,
     MAINTAIN_SQL,
     REGISTER_MANY_SQL,
@@ -44,6 +43,8 @@ from pgbroker._core import (
     STATE_DELETE_SQL,
     STATE_SET_SQL,
     STATUS_SQL,
+    SUBSCRIBE_FILTER_SQL,
+    SUBSCRIBE_FILTERS_SQL,
     SUBSCRIBE_MANY_SQL,
     SUBSCRIBE_SQL,
     SWEEP_BATCH,
@@ -52,6 +53,7 @@ from pgbroker._core import (
     UNDEFINED_FUNCTION,
     UNREGISTER_MANY_SQL,
     UNREGISTER_SQL,
+    UNSUBSCRIBE_FILTER_SQL,
     UNSUBSCRIBE_SQL,
     WAKE_SQL,
     Notification,
@@ -64,9 +66,11 @@ from pgbroker._core import (
     _raise_translated,
     _Waiter,
     batches,
+    filter_rows_query,
     maintain_pause,
     register_params,
     rows_query,
+    subscribe_filters_params,
     subscribe_params,
 )
 from pgbroker.errors import (
@@ -402,13 +406,23 @@ class Broker(_BrokerBase):
             gone += int(self._registry_scalar(UNREGISTER_MANY_SQL, params))
         return gone
 
-    def subscribe(self, client_id: str, table: str, key: Any = None, *, wait: float = 5.0) -> bool:
+    def subscribe(
+        self, client_id: str, table: str, key: Any = None, *, filter: dict[str, Any] | None = None, wait: float = 5.0
+    ) -> bool:
         """Subscribe ``client_id`` to the row of ``table`` with primary key ``key`` (None: the whole table).
 
         ``key`` is a scalar for a one-column key, a list in key order for a
         composite one.  Once this returns, every later change is delivered:
         read the row *after* subscribing (:meth:`read_rows`).  False when
         already subscribed.
+
+        ``filter`` (instead of a key): the rows whose columns have these
+        values, ``{"team": 7}``, ``{"status": {"in": ["open", "pending"]}}``,
+        ``{"closed_at": None}`` (NULL), several columns all matching; a row
+        that leaves the filter is still told, in :attr:`Notification.left`.
+        Read the filter's rows after subscribing (``SELECT ... WHERE`` the
+        same condition).  A bad filter is :class:`InvalidArgument` (SQLSTATEs
+        in sql/README.md, "Filters").
 
         A write transaction left open on ``table`` makes it wait, up to
         ``wait`` seconds and never longer than the guard has left
@@ -417,11 +431,48 @@ class Broker(_BrokerBase):
         clients go on (the writers' changes meanwhile are delivered to
         whoever is subscribed when they are fetched).
         """
+        if filter is not None:
+            params = {"client_id": client_id, "table": table, "filter": Jsonb(filter), "name": self.name}
+            if key is not None:
+                raise TypeError("subscribe() takes a key or a filter, not both")
+            return bool(self._registry_scalar(SUBSCRIBE_FILTER_SQL, params, wait=wait))
         params = {"client_id": client_id, "table": table, "key": _key_param(key), "name": self.name}
         return bool(self._registry_scalar(SUBSCRIBE_SQL, params, wait=wait))
 
-    def unsubscribe(self, client_id: str, table: str, key: Any = None) -> bool:
-        """Drop one subscription; False when there was none."""
+    def subscribe_filters(
+        self,
+        subscriptions: Iterable[tuple[str, dict[str, Any]]],
+        table: str,
+        *,
+        wait: float = 5.0,
+        batch_size: int = 10_000,
+    ) -> int:
+        """Subscribe many ``(client_id, filter)`` pairs to the rows of ``table`` matching each filter.
+
+        As :meth:`subscribe_many` (``subscribe_filters``: one statement per
+        batch, set-based); returns how many subscriptions were new (a filter
+        with ``in`` counts one per value).
+        """
+        new = 0
+        for batch in batches(subscriptions, batch_size):
+            params = subscribe_filters_params(self.name, table, batch, None)
+            new += int(self._registry_scalar(SUBSCRIBE_FILTERS_SQL, params, wait=wait))
+        return new
+
+    def unsubscribe(
+        self,
+        client_id: str,
+        table: str,
+        key: Any = None,
+        *,
+        filter: dict[str, Any] | None = None,
+    ) -> bool:
+        """Drop one subscription (by key, whole table, or every point of ``filter``); False when there was none."""
+        if filter is not None:
+            if key is not None:
+                raise TypeError("unsubscribe() takes a key or a filter, not both")
+            params = {"client_id": client_id, "table": table, "filter": Jsonb(filter), "name": self.name}
+            return bool(self._registry_scalar(UNSUBSCRIBE_FILTER_SQL, params))
         params = {"client_id": client_id, "table": table, "key": _key_param(key), "name": self.name}
         return bool(self._registry_scalar(UNSUBSCRIBE_SQL, params))
 
@@ -450,7 +501,8 @@ class Broker(_BrokerBase):
         the error is raised.
         """
         params = {"name": self.name, "max_rows": max_rows, "ack": ack}
-        return [Notification(*row) for row in self._execute_again_on_conflict(FETCH_SQL, params)]
+        rows = self._execute_again_on_conflict(self._fetch_sql(), params)
+        return [Notification.from_row(row) for row in rows]
 
     def ack(self, ids: list[int]) -> int:
         """Acknowledge delivered notifications (``outbox_ack``); returns how many were removed.
@@ -614,6 +666,34 @@ class Broker(_BrokerBase):
                 self._close_quietly(conn)
         finally:
             self._registry_slots.release()
+
+    def read_filter(self, table: str, filter: dict[str, Any]) -> list[Any]:
+        """The current rows of watched ``table`` matching ``filter`` (as :meth:`subscribe`'s), in key order.
+
+        One statement on the row-reading connection, as :meth:`read_rows`: a new filter subscriber's snapshot, taken
+        after :meth:`subscribe` returned, misses no change the loop yields later.  Rows are dicts, as ``to_jsonb``
+        gives them.  :class:`InvalidArgument` for a bad filter (an unknown column: the server's 42703).
+        """
+        with self._reader_lock:
+            conn = self._reader
+            try:
+                if conn is None or conn.closed:
+                    conn = self._reader = psycopg.Connection.connect(self.url, **self._connect_params())
+                if table not in self._table_keys:
+                    cur = conn.execute(TABLE_KEY_SQL, {"table": table})
+                    found = cur.fetchone()
+                    if found is None:
+                        raise NotWatched(f"table {table} has no primary key: it is not watched")
+                    self._table_keys[table] = (found[0], found[1], list(found[2]))
+                query, params = filter_rows_query(*self._table_keys[table], filter)
+                cur = conn.execute(query, params)
+                return [row for (row,) in cur.fetchall()]
+            except psycopg.Error as exc:
+                self._table_keys.clear()
+                if conn is not None and conn.broken:
+                    self._close_quietly(conn)
+                    self._reader = None
+                raise translate(exc) from exc
 
     def _read_rows_for(self, pairs: list[tuple[str, Any]]) -> list[Any]:
         """The current row for each ``(table, key)`` (None for a key None or no such row), in one statement."""

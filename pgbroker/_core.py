@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -37,7 +37,7 @@ from pgbroker.errors import (
     schema_mismatch,
     translate,
 )
-from pgbroker.install import SCHEMA_VERSION, compare_schema, libpq_url
+from pgbroker.install import SCHEMA_VERSION, compare_schema, libpq_url, version_key
 
 log = logging.getLogger("pgbroker.broker")
 
@@ -102,6 +102,20 @@ SUBSCRIBE_MANY_SQL = (
     " keys => ARRAY(SELECT e FROM pg_catalog.jsonb_array_elements(%(keys)s::jsonb) WITH ORDINALITY AS t(e, i)"
     " ORDER BY i), name => %(name)s, epoch => %(epoch)s, wait => %(wait)s)"
 )
+# By filter (schema 0.1.0+4 and later; the key forms above work on every supported schema).
+SUBSCRIBE_FILTER_SQL = (
+    'SELECT pgbroker.subscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, filter => %(filter)s,'
+    " name => %(name)s, epoch => %(epoch)s, wait => %(wait)s)"
+)
+SUBSCRIBE_FILTERS_SQL = (
+    'SELECT pgbroker.subscribe_filters(client_ids => %(client_ids)b::text[], "table" => %(table)s::regclass,'
+    " filters => ARRAY(SELECT e FROM pg_catalog.jsonb_array_elements(%(filters)s::jsonb) WITH ORDINALITY AS t(e, i)"
+    " ORDER BY i), name => %(name)s, epoch => %(epoch)s, wait => %(wait)s)"
+)
+UNSUBSCRIBE_FILTER_SQL = (
+    'SELECT pgbroker.unsubscribe(client_id => %(client_id)s, "table" => %(table)s::regclass, filter => %(filter)s,'
+    " name => %(name)s, epoch => %(epoch)s)"
+)
 SWEEP_SQL = "SELECT pgbroker.broker_sweep(name => %(name)s, max_rows => %(max_rows)s)"
 MAINTAIN_SQL = "SELECT part, removed, remaining FROM pgbroker.maintain(max_rows => %(max_rows)s)"
 UNSUBSCRIBE_SQL = (
@@ -111,6 +125,14 @@ UNSUBSCRIBE_SQL = (
 FETCH_SQL = (
     'SELECT id, "table", op, key, changed, clients, at FROM pgbroker.outbox_fetch(%(name)s, %(max_rows)s, %(ack)s)'
 )
+# With "left" (schema 0.1.0+4, filters): a broker that claimed on such a schema.  Each form names its columns, so
+# a prepared statement keeps its result type when an upgrade replaces outbox_fetch under a running broker (one
+# that claimed on an older schema keeps FETCH_SQL, and its Notification.left stays empty, until it claims again).
+FETCH_LEFT_SQL = (
+    'SELECT id, "table", op, key, changed, clients, at, "left"'
+    " FROM pgbroker.outbox_fetch(%(name)s, %(max_rows)s, %(ack)s)"
+)
+LEFT_SCHEMA = version_key("0.1.0+4")
 ACK_SQL = "SELECT pgbroker.outbox_ack(%(name)s, %(ids)s)"
 # A fetch or an ack is one statement in autocommit: a deadlock (40P01) or a
 # serialization failure (40001) rolled all of it back, acknowledgements
@@ -146,6 +168,54 @@ SELECT n.nspname, c.relname, array_agg(a.attname::text ORDER BY k.ord)
   JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum
  WHERE c.oid = %(table)s::regclass
  GROUP BY n.nspname, c.relname"""
+
+
+def filter_rows_query(
+    schema: str, table: str, key_columns: list[str], flt: dict[str, Any]
+) -> tuple[psycopg.sql.Composed, dict[str, Any]]:
+    """One statement that reads the rows of ``schema.table`` matching filter ``flt`` (as ``subscribe``'s), in key
+    order, as ``jsonb``; and its parameters.
+
+    Each column's values are cast to its type by ``jsonb_populate_record`` on the table's own row type (``"7"`` is 7
+    of an integer column, as in the filter's subscription); a JSON null matches NULL.  Column names are only ever
+    quoted identifiers; an unknown one is the server's 42703.
+    """
+    from pgbroker.errors import InvalidArgument
+
+    if not isinstance(flt, dict) or not flt:
+        raise InvalidArgument("a filter must be a non-empty JSON object of column names and values")
+    tbl = psycopg.sql.Identifier(schema, table)
+    conds, params = [], {}
+    for n, (column, condition) in enumerate(sorted(flt.items())):
+        if isinstance(condition, dict):
+            if list(condition) == ["in"] and isinstance(condition["in"], list) and condition["in"]:
+                values = condition["in"]
+            elif list(condition) == ["eq"]:
+                values = [condition["eq"]]
+            else:
+                raise InvalidArgument(f"column {column}: a condition is a value, {{'eq': value}} or {{'in': [...]}}")
+        elif isinstance(condition, list):
+            raise InvalidArgument(
+                f"column {column}: several values are {{'in': [...]}}, an array value {{'eq': [...]}}"
+            )
+        else:
+            values = [condition]
+        col = psycopg.sql.Identifier(column)
+        cond = psycopg.sql.SQL(
+            "t.{col} = ANY (ARRAY(SELECT (pg_catalog.jsonb_populate_record(NULL::{tbl},"
+            " pg_catalog.jsonb_build_object({name}, v.v))).{col} FROM pg_catalog.jsonb_array_elements({param}::jsonb)"
+            " AS v(v)))"
+        ).format(col=col, tbl=tbl, name=psycopg.sql.Literal(column), param=psycopg.sql.Placeholder(f"v{n}"))
+        if any(v is None for v in values):
+            cond = psycopg.sql.SQL("({} OR t.{} IS NULL)").format(cond, col)
+        conds.append(cond)
+        params[f"v{n}"] = Jsonb([v for v in values if v is not None])
+    query = psycopg.sql.SQL("SELECT pg_catalog.to_jsonb(t) FROM {tbl} AS t WHERE {conds} ORDER BY {keys}").format(
+        tbl=tbl,
+        conds=psycopg.sql.SQL(" AND ").join(conds),
+        keys=psycopg.sql.SQL(", ").join(psycopg.sql.SQL("t.{}").format(psycopg.sql.Identifier(c)) for c in key_columns),
+    )
+    return query, params
 
 
 def rows_query(tables: list[tuple[str, str, list[str]]]) -> psycopg.sql.Composed:
@@ -236,6 +306,19 @@ def register_params(name: str, batch: list[Any]) -> dict[str, Any]:
         ids.append(client_id)
         infos.append({} if info is None else info)
     return {"client_ids": ids, "infos": Jsonb(infos), "name": name}
+
+
+def subscribe_filters_params(
+    name: str, table: str, batch: list[tuple[str, Any]], wait: timedelta | None
+) -> dict[str, Any]:
+    """Parameters of SUBSCRIBE_FILTERS_SQL for a batch of ``(client_id, filter)`` pairs."""
+    return {
+        "client_ids": [client_id for client_id, _ in batch],
+        "table": table,
+        "filters": Jsonb([flt for _, flt in batch]),
+        "name": name,
+        "wait": wait,
+    }
 
 
 def subscribe_params(name: str, table: str, batch: list[tuple[str, Any]], wait: timedelta | None) -> dict[str, Any]:
@@ -330,6 +413,13 @@ class Notification:
     ``at`` of later rows can be earlier than that of earlier ones.  ``id``
     grows; for any one row in commit order.
 
+    ``left``: those of ``clients`` that the row *left*: subscribed by a
+    filter that matched the row before this update and with no subscription
+    (key, whole table or filter) that matches it after; drop the row from
+    what they show.  Empty for inserts, deletes and truncates (the op says
+    it), and for every change of a table nobody filters (sql/README.md,
+    "Filters").
+
     The row's values are not carried: read the row, or ask
     ``notifications(rows=True)`` for ``row``: the row as it is now (a dict of
     its columns, as ``to_jsonb`` gives them), read by key after the fetch,
@@ -345,6 +435,12 @@ class Notification:
     clients: list[str]
     at: Any
     row: Any = None
+    left: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_row(cls, row: Any) -> Notification:
+        """A row of ``outbox_fetch`` (id, table, op, key, changed, clients, at[, left])."""
+        return cls(*row[:7], left=list(row[7] or ()) if len(row) > 7 else [])
 
 
 @dataclass(frozen=True)
@@ -648,6 +744,11 @@ class _BrokerBase(abc.ABC):
         check = compare_schema(row[0])
         if check.state != "same":
             log.warning('%r: database "%s": %s: run %s', self, database, check.message, check.fix)
+
+    def _fetch_sql(self) -> str:
+        """The fetch statement for the schema this broker claimed on (``left`` from 0.1.0+4)."""
+        have = version_key(self.schema_version)
+        return FETCH_LEFT_SQL if have is not None and LEFT_SCHEMA is not None and have >= LEFT_SCHEMA else FETCH_SQL
 
     def _missing_function(self, database: str, exc: psycopg.Error, row: Any) -> Exception:
         """The exception for a 42883 from a pgbroker call, ``row`` being ``SCHEMA_VERSION_SQL``'s result now.

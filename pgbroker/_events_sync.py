@@ -29,7 +29,12 @@ WATCH_BEGIN_SQL = "SELECT pgbroker.registry_watch_begin(%(name)s)"
 WATCH_END_SQL = "SELECT pgbroker.registry_watch_end(%(name)s)"
 EXPIRY_SQL = "SELECT pgbroker.lease_expiry_check(%(name)s)"
 CLIENTS_SQL = "SELECT epoch, client_id, info FROM pgbroker.clients WHERE name = %(name)s"
-SUBSCRIPTIONS_SQL = 'SELECT client_id, "table"::text AS "table", key FROM pgbroker.subscriptions WHERE name = %(name)s'
+# key: a subscription by filter has its point (a JSON object: 0.1.0+4; read so that older schemas work), as events say.
+SUBSCRIPTIONS_SQL = (
+    'SELECT client_id, "table"::text AS "table",'
+    " COALESCE(key, NULLIF(pg_catalog.to_jsonb(s) -> 'filter', 'null')) AS key"
+    " FROM pgbroker.subscriptions s WHERE name = %(name)s"
+)
 
 # Lease events after which the lease has a live holder.
 _HOLDING = {"claim", "takeover", "stale_takeover"}
@@ -64,7 +69,7 @@ class RegistryEvent:
     client_id: str
     info: Any = None  # register, update (None when it was too large to announce)
     table: str | None = None  # subscribe, unsubscribe
-    key: Any = None  # subscribe, unsubscribe (None: the whole table)
+    key: Any = None  # subscribe, unsubscribe (None: the whole table; a dict: one point of a filter, {"kind": "x"})
 
 
 @dataclass

@@ -116,9 +116,13 @@ SELECT * FROM (SELECT * FROM pgbroker.lease_history
 CLIENTS_SQL = """\
 SELECT * FROM pgbroker.clients WHERE %(name)s::text IS NULL OR name = %(name)s::text ORDER BY name, client_id"""
 SUBSCRIPTIONS_SQL = """\
-SELECT name, client_id, "table"::text AS "table", key, subscribed_at FROM pgbroker.subscriptions
- WHERE %(name)s::text IS NULL OR name = %(name)s::text
- ORDER BY name, client_id, "table"::text, key::text NULLS FIRST LIMIT %(limit)s"""
+SELECT name, client_id, "table", key, subscribed_at
+  FROM (SELECT s.name, s.client_id, s."table"::text AS "table", s.subscribed_at,
+               -- a subscription by filter: its point (a JSON object; schema 0.1.0+4, read so that older ones work)
+               COALESCE(s.key, NULLIF(pg_catalog.to_jsonb(s) -> 'filter', 'null')) AS key
+          FROM pgbroker.subscriptions s
+         WHERE %(name)s::text IS NULL OR s.name = %(name)s::text) x
+ ORDER BY name, client_id, "table", key::text NULLS FIRST LIMIT %(limit)s"""
 WATCH_SQL = "SELECT pgbroker.watch(%s::text::regclass, mode => %s)"
 UNWATCH_SQL = "SELECT pgbroker.unwatch(%s::text::regclass)"
 PRUNE_SQL = "SELECT pgbroker.lease_history_prune(%s::interval)"

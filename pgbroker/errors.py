@@ -164,7 +164,9 @@ class PermissionDenied(PgBrokerError):
 
 
 class InvalidArgument(PgBrokerError):
-    """22023 / 22004 / 22P02 / 42602: a bad argument (empty or long name, negative wait, NULL, bad identifier)."""
+    """22023 / 22004 / 22P02 / 22003 / 42602 / 42703 / 54000 / PB023: a bad argument (empty or long name, negative
+    wait, NULL, bad identifier; a bad filter: not an object, unknown column, value of the wrong type, too many
+    values, a column with no equality)."""
 
 
 class UnknownClient(PgBrokerError):
@@ -239,6 +241,9 @@ _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "22004": InvalidArgument,
     "22P02": InvalidArgument,
     "42602": InvalidArgument,
+    "42703": InvalidArgument,
+    "54000": InvalidArgument,
+    "PB023": InvalidArgument,
     "PB010": UnknownClient,
     "PB020": NotWatchable,
     "42809": NotWatchable,

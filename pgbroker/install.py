@@ -36,7 +36,7 @@ BRANCH_LABEL = "pgbroker"
 # run: the release that froze the schema ("0.1.0"), or, for a revision made
 # since and not yet released, that release and the revision's number
 # ("0.1.0+3").  sql/000_schema.sql says the same (a test keeps them equal).
-SCHEMA_VERSION = "0.1.0+3"
+SCHEMA_VERSION = "0.1.0+4"
 # The oldest installed schema this package's Broker works against (before
 # `pgbroker migrate` in a deploy); an older one is SchemaMismatch.
 OLDEST_SCHEMA = "0.1.0"

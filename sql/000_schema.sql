@@ -28,7 +28,7 @@ CREATE FUNCTION pgbroker.schema_version()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT '0.1.0+3'::text $$;
+AS $$ SELECT '0.1.0+4'::text $$;
 COMMENT ON FUNCTION pgbroker.schema_version() IS
     'The version of the installed pgbroker schema: a release (0.1.0), or a release and the number of an unreleased revision made since (0.1.0+3). Anyone may call it.';
 

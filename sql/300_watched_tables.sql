@@ -96,6 +96,48 @@ COMMENT ON FUNCTION pgbroker._watch_check_rights(regclass, boolean) IS
     'Internal: 42501 unless the current user may watch table p_table (and, with p_drop, drop its triggers); true when it owns the table.';
 
 -- ---------------------------------------------------------------------------
+-- Taking a watched table's lock without making its writers queue.
+--
+-- Creating or dropping a trigger needs a lock that conflicts with every
+-- writer, and a lock request that waits makes every later writer wait behind
+-- it.  So, as careful schema-change tools do: ask with a short lock_timeout,
+-- and when a transaction is in the way, step back (writers go on), sleep a
+-- growing while, and ask again, until WAIT has passed (PB022).
+CREATE FUNCTION pgbroker._watch_lock_table(p_table regclass, p_wait interval)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_deadline timestamptz := clock_timestamp() + p_wait;
+    v_timeout text := current_setting('lock_timeout');
+    v_pause double precision := 0.01;
+    v_tries integer := 0;
+BEGIN
+    PERFORM pgbroker._wait_ms(p_wait);  -- 22023 on a negative wait
+    LOOP
+        v_tries := v_tries + 1;
+        BEGIN
+            PERFORM set_config('lock_timeout', '50ms', true);
+            EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', p_table);
+            PERFORM set_config('lock_timeout', v_timeout, true);
+            RETURN;
+        EXCEPTION WHEN lock_not_available THEN
+            IF p_wait IS NOT NULL AND clock_timestamp() + make_interval(secs => v_pause) >= v_deadline THEN
+                RAISE EXCEPTION 'table % is busy: a transaction using it stayed open longer than % (% tries)', p_table,
+                        p_wait, v_tries
+                    USING ERRCODE = 'PB022', HINT = 'Retry when the transaction has ended, or pass a longer wait.';
+            END IF;
+        END;
+        PERFORM pg_sleep(v_pause);
+        v_pause := least(v_pause * 2, 0.5);
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_lock_table(regclass, interval) IS
+    'Internal: lock a table ACCESS EXCLUSIVE with 50 ms tries and growing pauses between them, so writers never queue long behind the request; PB022 after p_wait.';
+
+-- ---------------------------------------------------------------------------
 -- Keys.
 
 CREATE FUNCTION pgbroker._watch_of(p_table regclass)

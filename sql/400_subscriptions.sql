@@ -189,7 +189,7 @@ COMMENT ON FUNCTION pgbroker._subscribe_lock(pgbroker.watched, regclass, interva
 
 CREATE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
                                    name text DEFAULT 'default', epoch bigint DEFAULT NULL,
-                                   wait interval DEFAULT '5 s')
+                                   wait interval DEFAULT '5 s', filter jsonb DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -200,8 +200,16 @@ DECLARE
     v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe.epoch);
     v_client bigint := pgbroker._client_key(v_name, v_epoch, subscribe.client_id);
     v_watch pgbroker.watched := pgbroker._watch_of(subscribe."table");
-    v_key jsonb := pgbroker._encode_key(v_watch, subscribe.key);
+    v_key jsonb;
 BEGIN
+    IF subscribe.filter IS NOT NULL THEN
+        IF subscribe.key IS NOT NULL THEN
+            RAISE EXCEPTION 'give a key or a filter, not both' USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        RETURN pgbroker._subscribe_filters(v_name, v_epoch, ARRAY[subscribe.client_id], v_watch, ARRAY[subscribe.filter],
+                                           subscribe.wait, false) > 0;
+    END IF;
+    v_key := pgbroker._encode_key(v_watch, subscribe.key);
     PERFORM pgbroker._subscribe_lock(v_watch, subscribe."table", subscribe.wait);
     INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
     VALUES (v_client, v_watch.watch_id, v_key)
@@ -221,18 +229,23 @@ BEGIN
     RETURN true;
 END
 $$;
-COMMENT ON FUNCTION pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval) IS
+COMMENT ON FUNCTION pgbroker.subscribe(text, regclass, jsonb, text, bigint, interval, jsonb) IS
 $$Holder only: subscribe client CLIENT_ID to the row of watched TABLE whose primary key is KEY (jsonb: a scalar for a
-one-column key, an array in key order for a composite one), or to the whole table when KEY is NULL.
+one-column key, an array in key order for a composite one), or to the whole table when KEY and FILTER are NULL, or to
+the rows matching FILTER (a JSON object of column values: {"team": 7}, {"status": {"in": ["open", "pending"]}},
+{"closed_at": null}; several columns must all match; sql/README.md, "Filters"), whose clients are also told when a row
+leaves it (outbox_fetch's left).
 No gap: once it returns, every change that commits later is in the outbox, so a client that subscribes and then reads
-the row misses nothing. Waits up to WAIT for writer transactions already past their trigger (PB022 after that);
-writers never wait for it. Returns false when the subscription existed. PB010 unknown client, PB021 table not watched, 22023 bad key.$$;
+the row (or the filter's rows) misses nothing. Waits up to WAIT for writer transactions already past their trigger
+(PB022 after that); writers never wait for it. Returns false when the subscription existed (a filter: each of its points).
+PB010 unknown client, PB021 table not watched, 22023 bad key; a bad filter: 22023, 42703, PB023, 54000, 22P02 (sql/README.md, "Filters").$$;
 
-CREATE FUNCTION pgbroker.subscribe_many(client_ids text[], "table" regclass, keys jsonb[], name text DEFAULT 'default',
-                                        epoch bigint DEFAULT NULL, wait interval DEFAULT '5 s')
+-- Subscribe CLIENT_IDS[i] to the (encoded) key or point KEYS[i], for every i, in one statement; POSITIONS[i] (NULL:
+-- i) is where the pair came from in the caller's arrays, for the error of an unknown client.
+CREATE FUNCTION pgbroker._subscribe_pairs(p_name text, p_epoch bigint, p_client_ids text[], p_watch pgbroker.watched,
+                                          p_keys jsonb[], p_wait interval, p_positions integer[])
 RETURNS bigint
 LANGUAGE plpgsql
-SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 -- Planned for each call's arrays: a generic plan, made for no size in particular, joined them in loops.
 SET plan_cache_mode = force_custom_plan
@@ -240,13 +253,6 @@ SET plan_cache_mode = force_custom_plan
 SET enable_mergejoin = off
 AS $$
 DECLARE
-    v_name text := pgbroker._check_name(subscribe_many.name);
-    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe_many.epoch);
-    v_n integer := pgbroker._check_arrays('client_ids', array_ndims(subscribe_many.client_ids),
-                                          cardinality(subscribe_many.client_ids), 'keys', array_ndims(subscribe_many.keys),
-                                          cardinality(subscribe_many.keys), false);
-    v_watch pgbroker.watched := pgbroker._watch_of(subscribe_many."table");
-    v_keys jsonb[] := pgbroker._encode_keys(v_watch, subscribe_many.keys);
     v_ids text[];
     v_client_keys bigint[];
     v_fresh boolean[];
@@ -262,23 +268,25 @@ BEGIN
     -- to the table yet (every client, after a restart) is "fresh": none of
     -- its pairs needs looking for below.
     WITH ids AS (
-        SELECT u.id, min(u.i) AS i FROM unnest(subscribe_many.client_ids) WITH ORDINALITY AS u(id, i) GROUP BY u.id
+        SELECT u.id, min(coalesce(u.pos, u.i)) AS i
+          FROM unnest(p_client_ids, p_positions) WITH ORDINALITY AS u(id, pos, i) GROUP BY u.id
     )
     SELECT min(ids.i) FILTER (WHERE c.client_key IS NULL), array_agg(ids.id), array_agg(c.client_key),
            array_agg(NOT EXISTS (SELECT FROM pgbroker.subscription s
-                                  WHERE s.client_key = c.client_key AND s.watch_id = v_watch.watch_id))
+                                  WHERE s.client_key = c.client_key AND s.watch_id = p_watch.watch_id))
       INTO v_bad, v_ids, v_client_keys, v_fresh
       FROM ids
       LEFT JOIN LATERAL (SELECT x.client_key FROM pgbroker.client x
-                          WHERE x.name = v_name AND x.epoch = v_epoch AND x.client_id = ids.id
+                          WHERE x.name = p_name AND x.epoch = p_epoch AND x.client_id = ids.id
                             FOR KEY SHARE) c ON true;
     IF v_bad IS NOT NULL THEN
         RAISE EXCEPTION 'client "%" (client_ids[%]) is not registered with broker "%"',
-                subscribe_many.client_ids[v_bad], v_bad, v_name
+                (SELECT u.id FROM unnest(p_client_ids, p_positions) WITH ORDINALITY AS u(id, pos, i)
+                  WHERE coalesce(u.pos, u.i) = v_bad LIMIT 1), v_bad, p_name
             USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register() or client_register_many().';
     END IF;
-    PERFORM pgbroker._subscribe_lock(v_watch, subscribe_many."table", subscribe_many.wait);
-    v_watched := pgbroker._registry_watched(v_name);
+    PERFORM pgbroker._subscribe_lock(p_watch, p_watch.relid::regclass, p_wait);
+    v_watched := pgbroker._registry_watched(p_name);
     -- One statement, one round of the watch lock, whatever the number: the
     -- pairs not subscribed yet (a pair given twice counts once), inserted,
     -- and their ids appended to the interest of their key.  No ON CONFLICT: subscriptions to a table are only made under
@@ -290,20 +298,20 @@ BEGIN
         SELECT k.id, k.client_key, k.fresh FROM unnest(v_ids, v_client_keys, v_fresh) AS k(id, client_key, fresh)
     ), new AS MATERIALIZED (
         SELECT c.client_key, g.id, g.row_key
-          FROM (SELECT DISTINCT u.id, u.row_key FROM unnest(subscribe_many.client_ids, v_keys) AS u(id, row_key)) g
+          FROM (SELECT DISTINCT u.id, u.row_key FROM unnest(p_client_ids, p_keys) AS u(id, row_key)) g
           JOIN clients c ON c.id = g.id
           -- an index probe per pair of a client that is not fresh, never a scan of what the table has
           LEFT JOIN LATERAL (SELECT true AS found FROM pgbroker.subscription s
                               WHERE NOT c.fresh
-                                AND s.client_key = c.client_key AND s.watch_id = v_watch.watch_id AND s.row_key = g.row_key
+                                AND s.client_key = c.client_key AND s.watch_id = p_watch.watch_id AND s.row_key = g.row_key
                               LIMIT 1) e ON true
          WHERE e.found IS NULL
     ), added AS (
         INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
-        SELECT n.client_key, v_watch.watch_id, n.row_key FROM new n
+        SELECT n.client_key, p_watch.watch_id, n.row_key FROM new n
     ), interest AS (
         INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
-        SELECT v_watch.watch_id, n.row_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
+        SELECT p_watch.watch_id, n.row_key, p_name, p_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = p_name),
                array_agg(n.id)
           FROM new n
          GROUP BY n.row_key
@@ -312,21 +320,102 @@ BEGIN
     -- (A FILTER is tested before its aggregate's argument: nothing is
     -- announced while nobody watches.)
     SELECT count(*),
-           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(v_name),
-                                   pgbroker._registry_subscription_event('subscribe', v_name, v_epoch, n.id,
-                                                                         v_watch.relid::regclass::text, n.row_key))))
+           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(p_name),
+                                   pgbroker._registry_subscription_event('subscribe', p_name, p_epoch, n.id,
+                                                                         p_watch.relid::regclass::text, n.row_key))))
                FILTER (WHERE v_watched)
       INTO v_new, v_announced
       FROM new n;
     RETURN v_new;
 END
 $$;
+COMMENT ON FUNCTION pgbroker._subscribe_pairs(text, bigint, text[], pgbroker.watched, jsonb[], interval, integer[]) IS
+    'Internal: subscribe client_ids[i] to the encoded key (or filter point) keys[i] of a watched table, for every i, in one statement under the table''s watch lock; returns how many were new.';
+
+CREATE FUNCTION pgbroker.subscribe_many(client_ids text[], "table" regclass, keys jsonb[], name text DEFAULT 'default',
+                                        epoch bigint DEFAULT NULL, wait interval DEFAULT '5 s')
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe_many.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe_many.epoch);
+    v_n integer := pgbroker._check_arrays('client_ids', array_ndims(subscribe_many.client_ids),
+                                          cardinality(subscribe_many.client_ids), 'keys', array_ndims(subscribe_many.keys),
+                                          cardinality(subscribe_many.keys), false);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe_many."table");
+BEGIN
+    RETURN pgbroker._subscribe_pairs(v_name, v_epoch, subscribe_many.client_ids, v_watch,
+                                     pgbroker._encode_keys(v_watch, subscribe_many.keys), subscribe_many.wait, NULL);
+END
+$$;
 COMMENT ON FUNCTION pgbroker.subscribe_many(text[], regclass, jsonb[], text, bigint, interval) IS
 $$Holder only: subscribe client CLIENT_IDS[i] to the row of watched TABLE whose key is KEYS[i] (NULL: the whole table), for every i, in one statement; returns how many subscriptions were new.
 As subscribe() otherwise, with one wait for the table's writers per call: no gap; PB010 for an unknown client, 22023 (or the cast's own SQLSTATE) for a bad key, each naming its position (client_ids[3], keys[3]); 22004 / 22023 for NULL arrays or arrays of different lengths; PB021, PB022 as subscribe(). Nothing of the call is kept when it fails.$$;
 
+-- Subscribe client_ids[i] to filters[i] (every point of it), for every i: the filters expanded, their new shapes
+-- recorded (the table's triggers rendered again), then the pairs subscribed in one statement.
+CREATE FUNCTION pgbroker._subscribe_filters(p_name text, p_epoch bigint, p_client_ids text[], p_watch pgbroker.watched,
+                                            p_filters jsonb[], p_wait interval, p_bulk boolean)
+RETURNS bigint
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_ids text[];
+    v_points jsonb[];
+    v_positions integer[];
+    v_shapes jsonb[];
+BEGIN
+    PERFORM pgbroker._wait_ms(p_wait);  -- 22023 on a negative wait, before anything
+    WITH p AS MATERIALIZED (
+        SELECT p.pos, p.columns, p.point FROM pgbroker._filter_points(p_watch, p_filters, p_bulk) AS p
+    )
+    SELECT array_agg(c.id ORDER BY p.pos), array_agg(p.point ORDER BY p.pos), array_agg(p.pos::integer ORDER BY p.pos),
+           (SELECT array_agg(to_jsonb(q.columns)) FROM (SELECT DISTINCT r.columns FROM p AS r) q)
+      INTO v_ids, v_points, v_positions, v_shapes
+      FROM p JOIN unnest(p_client_ids) WITH ORDINALITY AS c(id, i) ON c.i = p.pos;
+    PERFORM pgbroker._filter_shapes_add(p_watch, v_shapes, p_wait);
+    RETURN pgbroker._subscribe_pairs(p_name, p_epoch, v_ids, p_watch, v_points, p_wait, v_positions);
+END
+$$;
+COMMENT ON FUNCTION pgbroker._subscribe_filters(text, bigint, text[], pgbroker.watched, jsonb[], interval, boolean) IS
+    'Internal: subscribe client_ids[i] to every point of filters[i] of a watched table; returns how many subscriptions were new.';
+
+CREATE FUNCTION pgbroker.subscribe_filters(client_ids text[], "table" regclass, filters jsonb[],
+                                           name text DEFAULT 'default', epoch bigint DEFAULT NULL,
+                                           wait interval DEFAULT '5 s')
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe_filters.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe_filters.epoch);
+    v_n integer := pgbroker._check_arrays('client_ids', array_ndims(subscribe_filters.client_ids),
+                                          cardinality(subscribe_filters.client_ids), 'filters',
+                                          array_ndims(subscribe_filters.filters), cardinality(subscribe_filters.filters),
+                                          false);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe_filters."table");
+BEGIN
+    IF v_n = 0 THEN
+        RETURN 0;
+    END IF;
+    RETURN pgbroker._subscribe_filters(v_name, v_epoch, subscribe_filters.client_ids, v_watch, subscribe_filters.filters,
+                                       subscribe_filters.wait, true);
+END
+$$;
+COMMENT ON FUNCTION pgbroker.subscribe_filters(text[], regclass, jsonb[], text, bigint, interval) IS
+$$Holder only: subscribe client CLIENT_IDS[i] to the rows of watched TABLE matching FILTERS[i] (as subscribe()'s
+FILTER), for every i, in one statement; returns how many subscriptions (points of filters) were new.
+As subscribe_many() otherwise: no gap, one wait for the table's writers per call, errors naming their position
+(client_ids[3], filters[3]): PB010, 22023, 42703, PB023, 54000, 22P02; nothing of the call is kept when it fails.$$;
+
 CREATE FUNCTION pgbroker.unsubscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
-                                     name text DEFAULT 'default', epoch bigint DEFAULT NULL)
+                                     name text DEFAULT 'default', epoch bigint DEFAULT NULL, filter jsonb DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -337,25 +426,39 @@ DECLARE
     v_epoch bigint := pgbroker._acting_epoch(v_name, unsubscribe.epoch);
     v_client bigint := pgbroker._client_key(v_name, v_epoch, unsubscribe.client_id);
     v_watch pgbroker.watched := pgbroker._watch_of(unsubscribe."table");
-    v_key jsonb := pgbroker._encode_key(v_watch, unsubscribe.key);
+    v_keys jsonb[];
+    v_n integer;
 BEGIN
-    DELETE FROM pgbroker.subscription s
-     WHERE s.client_key = v_client AND s.watch_id = v_watch.watch_id AND s.row_key = v_key;
-    IF NOT FOUND THEN
+    IF unsubscribe.filter IS NULL THEN
+        v_keys := ARRAY[pgbroker._encode_key(v_watch, unsubscribe.key)];
+    ELSIF unsubscribe.key IS NOT NULL THEN
+        RAISE EXCEPTION 'give a key or a filter, not both' USING ERRCODE = 'invalid_parameter_value';
+    ELSE
+        v_keys := ARRAY(SELECT p.point FROM pgbroker._filter_points(v_watch, ARRAY[unsubscribe.filter], false) AS p);
+    END IF;
+    WITH gone AS (
+        DELETE FROM pgbroker.subscription s
+         WHERE s.client_key = v_client AND s.watch_id = v_watch.watch_id AND s.row_key = ANY (v_keys)
+        RETURNING s.row_key
+    )
+    SELECT array_agg(g.row_key) INTO v_keys FROM gone g;
+    v_n := cardinality(v_keys);
+    IF v_n IS NULL THEN
         RETURN false;
     END IF;
-    PERFORM pgbroker._interest_shrink(ARRAY[v_watch.watch_id], ARRAY[v_key], ARRAY[v_name], ARRAY[v_epoch],
-                                      ARRAY[unsubscribe.client_id]);
+    PERFORM pgbroker._interest_shrink(array_fill(v_watch.watch_id, ARRAY[v_n]), v_keys, array_fill(v_name, ARRAY[v_n]),
+                                      array_fill(v_epoch, ARRAY[v_n]), array_fill(unsubscribe.client_id, ARRAY[v_n]));
     IF pgbroker._registry_watched(v_name) THEN
         PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
                           pgbroker._registry_subscription_event('unsubscribe', v_name, v_epoch, unsubscribe.client_id,
-                                                                v_watch.relid::regclass::text, v_key));
+                                                                v_watch.relid::regclass::text, k))
+           FROM unnest(v_keys) AS k;
     END IF;
     RETURN true;
 END
 $$;
-COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint) IS
-    'Holder only: drop the subscription of CLIENT_ID to KEY of TABLE (NULL: the whole-table one); false when there was none.';
+COMMENT ON FUNCTION pgbroker.unsubscribe(text, regclass, jsonb, text, bigint, jsonb) IS
+    'Holder only: drop the subscription of CLIENT_ID to KEY of TABLE (KEY and FILTER NULL: the whole-table one), or to every point of FILTER (as in subscribe()); false when there was none.';
 
 -- ---------------------------------------------------------------------------
 -- Keeping the interest in step with the client registry.

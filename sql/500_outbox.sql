@@ -43,7 +43,13 @@ CREATE UNLOGGED TABLE pgbroker.outbox (
     row_key jsonb,
     changed text[],
     clients text[],
-    at timestamptz NOT NULL DEFAULT pg_catalog.statement_timestamp()
+    at timestamptz NOT NULL DEFAULT pg_catalog.statement_timestamp(),
+    -- Tables with filters (350_filters.sql): which of the clients saw the row
+    -- leave their filters, and, for rows resolved when fetched, the row's
+    -- filter points before and after the change.
+    left_clients text[],
+    new_points jsonb[],
+    old_points jsonb[]
 );
 -- A fetch reads one epoch's rows in id order, never an earlier epoch's.
 CREATE INDEX outbox_name_epoch_id ON pgbroker.outbox (name, epoch, id);
@@ -68,6 +74,9 @@ COMMENT ON COLUMN pgbroker.outbox.row_key IS 'Key of the changed row (NULL for T
 COMMENT ON COLUMN pgbroker.outbox.changed IS 'For U: the names of the columns whose value changed; NULL otherwise.';
 COMMENT ON COLUMN pgbroker.outbox.clients IS 'client_ids of the clients to tell; NULL: whoever is subscribed when the row is fetched (see 600_triggers.sql).';
 COMMENT ON COLUMN pgbroker.outbox.at IS 'Start of the statement that made the change.';
+COMMENT ON COLUMN pgbroker.outbox.left_clients IS 'Those of the clients whose filters the row matched before the change (U) and none of whose subscriptions it matches after: the row left them. NULL: none.';
+COMMENT ON COLUMN pgbroker.outbox.new_points IS 'Rows whose clients are resolved when fetched, of a table with filters: the row''s filter points after the change (before it, for D).';
+COMMENT ON COLUMN pgbroker.outbox.old_points IS 'Same: the row''s filter points before an update (its clients that match none of the rest are told the row left).';
 
 -- ---------------------------------------------------------------------------
 -- Lock classes (first key of two-int4 advisory locks; second: see each).
@@ -339,7 +348,8 @@ AS $$
                -- statistics of an interest loaded since read the broker's whole interest of
                -- the table for each row: 51 ms a row at 30,000 keys, and the broker fell
                -- behind its writers while clients churned.)
-               CASE WHEN o.op = 'T'
+               CASE WHEN o.new_points IS NOT NULL THEN coalesce(f.clients, '{}')
+                    WHEN o.op = 'T'
                     THEN ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
                                 WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
                                 ORDER BY 1)
@@ -352,14 +362,30 @@ AS $$
                                         WHERE i.watch_id = o.watch_id AND i.row_key = 'null'::jsonb
                                           AND i.name = p_name AND i.epoch = p_epoch) q,
                                       unnest(q.clients) AS s
-                                ORDER BY 1) END AS clients
+                                ORDER BY 1) END AS clients,
+               f.left_clients
           FROM pgbroker.outbox o
+          -- A row of a table with filters: the subscribers of its key, of the whole table and of its points
+          -- after the change, and those of its points before it only, who saw it leave (as the triggers do).
+          LEFT JOIN LATERAL (
+               SELECT array_agg(m.c ORDER BY m.c) AS clients, array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
+                 FROM (SELECT x.c, bool_and(p.old) AS gone
+                         FROM (SELECT q.key, bool_and(q.old) AS old
+                                 FROM (SELECT k, false FROM unnest(o.new_points || ARRAY[o.row_key, 'null'::jsonb]) AS k
+                                       UNION ALL
+                                       SELECT k, true FROM unnest(o.old_points) AS k) AS q (key, old)
+                                GROUP BY q.key) p
+                         JOIN pgbroker.interest i
+                           ON i.watch_id = o.watch_id AND i.row_key = p.key AND i.name = p_name AND i.epoch = p_epoch
+                        CROSS JOIN LATERAL unnest(i.clients) AS x(c)
+                        GROUP BY x.c) m
+                WHERE o.new_points IS NOT NULL) f ON true
          WHERE o.name = p_name AND o.epoch = p_epoch AND o.clients IS NULL
     ), told AS (
         -- Each row by its ctid (only this broker's session changes its rows): joined by (name, id), or
         -- (name, epoch, id) on the plan of a generic estimate of one row, each was looked for among all the
         -- epoch's rows, O(n^2): a fetch ran for minutes over 13,000 rows written while subscribes churned.
-        UPDATE pgbroker.outbox o SET clients = r.clients
+        UPDATE pgbroker.outbox o SET clients = r.clients, left_clients = r.left_clients
           FROM resolved r
          WHERE o.ctid = r.row_ctid AND r.clients <> '{}'
     )
@@ -404,7 +430,8 @@ COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
 -- (a test asserts that no plan of the broker loop is disabled or
 -- compiled).
 CREATE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default', max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL)
-RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
+RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz,
+               "left" text[])
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -458,7 +485,7 @@ BEGIN
          WHERE b.name = outbox_fetch.name AND b.epoch = v_epoch AND b.id = ANY (outbox_fetch.ack)
     )
     SELECT o.id, (SELECT w.relid::regclass::text FROM pgbroker.watched w WHERE w.watch_id = o.watch_id),
-           o.op::text, o.row_key, o.changed, o.clients, o.at
+           o.op::text, o.row_key, o.changed, o.clients, o.at, o.left_clients
       FROM pgbroker.outbox o
      WHERE o.name = outbox_fetch.name AND o.epoch = v_epoch AND o.id > v_floor
        AND (outbox_fetch.ack IS NULL OR o.id <> ALL (outbox_fetch.ack))
@@ -472,7 +499,8 @@ $$;
 COMMENT ON FUNCTION pgbroker.outbox_fetch(text, integer, bigint[]) IS
 $$Holder only: up to MAX_ROWS pending notifications of lease NAME, oldest first (for any one row: in commit order).
 Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell, each
-once, never empty), at.
+once, never empty), at, left (those of the clients that the row left: their filters matched it before this update and
+none of their subscriptions matches it after; NULL when none).
 Rows stay until acknowledged, by outbox_ack() or by passing their ids as ACK to the next outbox_fetch() (one round
 trip less): at-least-once delivery within the epoch.$$;
 
@@ -537,7 +565,8 @@ COMMENT ON COLUMN pgbroker.outbox_departed.last_id IS 'The outbox rows with ids 
 -- nobody deleted instead of returned.  Runs with outbox_fetch()'s settings.
 CREATE FUNCTION pgbroker._outbox_fetch_departed(p_name text, p_epoch bigint, p_floor bigint, p_max_rows integer,
                                                 p_ack bigint[])
-RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz)
+RETURNS TABLE (id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamptz,
+               "left" text[])
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -552,6 +581,12 @@ BEGIN
          WHERE b.name = p_name AND b.epoch = p_epoch AND b.id = ANY (p_ack)
     ), batch AS MATERIALIZED (
         SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.at,
+               CASE WHEN o.id > v_upto OR o.left_clients IS NULL THEN o.left_clients
+                    ELSE ARRAY(SELECT x.c FROM unnest(o.left_clients) WITH ORDINALITY AS x(c, n)
+                                WHERE NOT EXISTS (SELECT FROM pgbroker.outbox_departed d
+                                                   WHERE d.name = p_name AND d.epoch = p_epoch AND d.client_id = x.c
+                                                     AND d.last_id >= o.id)
+                                ORDER BY x.n) END AS left_clients,
                CASE WHEN o.id > v_upto THEN o.clients
                     ELSE ARRAY(SELECT x.c FROM unnest(o.clients) WITH ORDINALITY AS x(c, n)
                                 WHERE NOT EXISTS (SELECT FROM pgbroker.outbox_departed d
@@ -571,7 +606,7 @@ BEGIN
          WHERE e.name = p_name AND e.epoch = p_epoch AND e.id = ANY (ARRAY(SELECT b.id FROM batch b WHERE b.clients = '{}'))
     )
     SELECT b.id, (SELECT w.relid::regclass::text FROM pgbroker.watched w WHERE w.watch_id = b.watch_id),
-           b.op::text, b.row_key, b.changed, b.clients, b.at
+           b.op::text, b.row_key, b.changed, b.clients, b.at, nullif(b.left_clients, '{}')
       FROM batch b
      WHERE b.clients <> '{}'
      ORDER BY b.id;

@@ -270,6 +270,99 @@ $template$;
 COMMENT ON FUNCTION pgbroker._watch_row_fanout_template() IS
     'Internal: template of the fan-out of one row''s change(s) in the row-level trigger functions.';
 
+-- Tables with filters (350_filters.sql).  {{fchanges}}: a query of the
+-- changes (op, row_key, changed) with, per change, the row's filter points
+-- after it (new_points; before it, for a D) and before it (old_points, for
+-- a U).  Each change's subscribers are those of its key, of the whole
+-- table and of its new points, and, told the row left them, those of its
+-- old points only: one index probe per key and point (the probes of points
+-- that did not change are made once).  A change that matches nothing
+-- writes nothing.  The same in both modes, for any size of statement.
+CREATE FUNCTION pgbroker._watch_ffanout_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients, left_clients)
+        SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients, z.left_clients
+          FROM (SELECT g.name, g.epoch, g.lock_key, g.clients, g.left_clients, k.op, k.row_key, k.changed
+                  FROM ({{fchanges}} OFFSET 0) k
+                 CROSS JOIN LATERAL (
+                       SELECT m.name, m.epoch, min(m.lock_key) AS lock_key, array_agg(m.c ORDER BY m.c) AS clients,
+                              array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
+                         FROM (SELECT j.name, j.epoch, min(j.lock_key) AS lock_key, x.c, bool_and(p.old) AS gone
+                                 FROM (SELECT q.key, bool_and(q.old) AS old
+                                         FROM (SELECT y, false FROM unnest(k.new_points || ARRAY[k.row_key, 'null'::jsonb]) AS y
+                                               UNION ALL
+                                               SELECT y, true FROM unnest(k.old_points) AS y) AS q (key, old)
+                                        GROUP BY q.key) p
+                                CROSS JOIN LATERAL (SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
+                                                     WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key OFFSET 0) j
+                                CROSS JOIN LATERAL unnest(j.clients) AS x(c)
+                                GROUP BY j.name, j.epoch, x.c) m
+                        GROUP BY m.name, m.epoch) g
+                OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+         WHERE {{alive_and_woken:z}}$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_ffanout_template() IS
+    'Internal: template of the INSERT ... SELECT by which the watch triggers of a table with filters fan out its changes.';
+
+-- A table with filters, a subscribe() under way or a snapshot that may
+-- predate one: as _watch_unresolved_template, with each change's points,
+-- by which the fetch resolves its clients (500_outbox.sql).
+CREATE FUNCTION pgbroker._watch_funresolved_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients, new_points, old_points)
+        SELECT l.name, l.epoch, {{watch_id}}, l.op, l.row_key, l.changed, NULL, l.new_points, l.old_points
+          FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed, k.new_points, k.old_points
+                  FROM ({{fchanges}} OFFSET 0) k
+                 CROSS JOIN pgbroker.lease b
+                 WHERE b.state = 'held' AND b.expires_at IS NULL
+                OFFSET 0) l
+         WHERE {{alive_and_woken:l}}$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_funresolved_template() IS
+    'Internal: template of the INSERT ... SELECT of a table with filters that writes changes for every live broker with their clients left to be resolved at fetch.';
+
+-- The fan-out of a table with filters, in both modes: the watch lock and
+-- isolation test, then {{ffanout}} or {{funresolved}}.
+CREATE FUNCTION pgbroker._watch_filtered_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            -- First whether any change has a subscriber at all: one index probe per change for its key, the whole
+            -- table and its points (a change that matches nothing, the common case, costs no more).
+            IF EXISTS (SELECT FROM ({{fchanges}} OFFSET 0) k
+                        CROSS JOIN LATERAL unnest(k.new_points || k.old_points || ARRAY[k.row_key, 'null'::jsonb]) AS y(key)
+                        CROSS JOIN LATERAL (SELECT FROM pgbroker.interest j
+                                             WHERE j.watch_id = {{watch_id}} AND j.row_key = y.key LIMIT 1) j) THEN
+{{ffanout}};
+            END IF;
+        ELSE
+{{funresolved}};
+        END IF;$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_filtered_template() IS
+    'Internal: template of the fan-out of the changes of a table with filters (both trigger modes).';
+
+-- The statement-level INSERT, UPDATE and DELETE trigger function of a table
+-- with filters: {{filtered}} (its function is made with enable_seqscan and
+-- jit off: see _watch_create_functions).
+CREATE FUNCTION pgbroker._watch_filtered_statement_template()
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $template$ SELECT $t$
+BEGIN
+{{filtered}}
+    RETURN NULL;
+END
+$t$
+$template$;
+COMMENT ON FUNCTION pgbroker._watch_filtered_statement_template() IS
+    'Internal: template of the statement-level INSERT, UPDATE and DELETE trigger functions of a watched table with filters.';
+
 -- The TRUNCATE trigger function: every client with any interest in the table
 -- hears of it, one row per broker (of its live epoch).
 CREATE FUNCTION pgbroker._watch_truncate_template()
@@ -330,48 +423,6 @@ $$;
 COMMENT ON FUNCTION pgbroker._render(text, jsonb) IS 'Internal: replace each {{slot}} of a template by its value in p_slots.';
 
 -- ---------------------------------------------------------------------------
--- Taking a watched table's lock without making its writers queue.
---
--- Creating or dropping a trigger needs a lock that conflicts with every
--- writer, and a lock request that waits makes every later writer wait behind
--- it.  So, as careful schema-change tools do: ask with a short lock_timeout,
--- and when a transaction is in the way, step back (writers go on), sleep a
--- growing while, and ask again, until WAIT has passed (PB022).
-CREATE FUNCTION pgbroker._watch_lock_table(p_table regclass, p_wait interval)
-RETURNS void
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    v_deadline timestamptz := clock_timestamp() + p_wait;
-    v_timeout text := current_setting('lock_timeout');
-    v_pause double precision := 0.01;
-    v_tries integer := 0;
-BEGIN
-    PERFORM pgbroker._wait_ms(p_wait);  -- 22023 on a negative wait
-    LOOP
-        v_tries := v_tries + 1;
-        BEGIN
-            PERFORM set_config('lock_timeout', '50ms', true);
-            EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', p_table);
-            PERFORM set_config('lock_timeout', v_timeout, true);
-            RETURN;
-        EXCEPTION WHEN lock_not_available THEN
-            IF p_wait IS NOT NULL AND clock_timestamp() + make_interval(secs => v_pause) >= v_deadline THEN
-                RAISE EXCEPTION 'table % is busy: a transaction using it stayed open longer than % (% tries)', p_table,
-                        p_wait, v_tries
-                    USING ERRCODE = 'PB022', HINT = 'Retry when the transaction has ended, or pass a longer wait.';
-            END IF;
-        END;
-        PERFORM pg_sleep(v_pause);
-        v_pause := least(v_pause * 2, 0.5);
-    END LOOP;
-END
-$$;
-COMMENT ON FUNCTION pgbroker._watch_lock_table(regclass, interval) IS
-    'Internal: lock a table ACCESS EXCLUSIVE with 50 ms tries and growing pauses between them, so writers never queue long behind the request; PB022 after p_wait.';
-
--- ---------------------------------------------------------------------------
 -- Watching a table.
 
 -- The SQL expressions over the rows of a watched table, its NEW rows named
@@ -418,6 +469,43 @@ $$;
 COMMENT ON FUNCTION pgbroker._watch_exprs(pgbroker.watched, text, text) IS
     'Internal: the SQL expressions (keys, same key, missing row, changed columns) over the NEW and OLD rows of a watched table, named as given.';
 
+-- The shapes of a watched table's filters whose columns all exist (a
+-- column dropped since is left out: watch() again after ALTER TABLE, as
+-- for the changed columns above).
+CREATE FUNCTION pgbroker._watch_shapes(p_watch pgbroker.watched)
+RETURNS SETOF text[]
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT f.columns FROM pgbroker.filter_shape f
+     WHERE f.watch_id = p_watch.watch_id
+       AND NOT EXISTS (SELECT FROM unnest(f.columns) AS c
+                        WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a
+                                           WHERE a.attrelid = p_watch.relid AND a.attname = c AND a.attnum > 0
+                                             AND NOT a.attisdropped))
+     ORDER BY f.columns
+$$;
+COMMENT ON FUNCTION pgbroker._watch_shapes(pgbroker.watched) IS
+    'Internal: the shapes (sorted column names) of the filters of a watched table whose columns all exist.';
+
+-- The SQL expression of the filter points of a row P_ROW (n, o, NEW, OLD):
+-- an array with one JSON object of its values per shape, each encoded as
+-- _filter_points() encodes a filter's; NULL for a table without filters.
+CREATE FUNCTION pgbroker._watch_points(p_watch pgbroker.watched, p_row text)
+RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN count(*) > 0 THEN
+               format('ARRAY[%s]::jsonb[]',
+                      string_agg(format('jsonb_build_object(%s)',
+                                        (SELECT string_agg(format('%L, %s.%I', c, p_row, c), ', ' ORDER BY c COLLATE "C")
+                                           FROM unnest(f.columns) AS c)), ', ' ORDER BY f.columns)) END
+      FROM pgbroker._watch_shapes(p_watch) AS f(columns)
+$$;
+COMMENT ON FUNCTION pgbroker._watch_points(pgbroker.watched, text) IS
+    'Internal: the SQL expression of the filter points (jsonb[], one per shape) of a row of a watched table; NULL without filters.';
+
 -- The SQL expressions of a watched table that fill the templates' slots.
 CREATE FUNCTION pgbroker._watch_slots(p_watch pgbroker.watched)
 RETURNS jsonb
@@ -428,8 +516,42 @@ DECLARE
     r jsonb := pgbroker._watch_exprs(p_watch, 'n', 'o');          -- over the transition tables' rows
     v_changed_k text := pgbroker._watch_exprs(p_watch, '(k.n)', '(k.o)') ->> 'changed';  -- whole rows (bulk)
     r_row jsonb := pgbroker._watch_exprs(p_watch, 'NEW', 'OLD');   -- one row (row mode)
+    v_np text := pgbroker._watch_points(p_watch, 'n');
+    v_op text := pgbroker._watch_points(p_watch, 'o');
+    v_np_row text := pgbroker._watch_points(p_watch, 'NEW');
+    v_op_row text := pgbroker._watch_points(p_watch, 'OLD');
+    v_filtered jsonb := '{}';
 BEGIN
-    RETURN jsonb_build_object(
+    IF v_np IS NOT NULL THEN
+        -- A table with filters: the changes with the rows' points (old_points for U only).
+        v_filtered := jsonb_build_object(
+            'ins_fchanges', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
+                     NULL::jsonb[] AS old_points FROM pgbroker_new n$q$, r ->> 'new_key', v_np),
+            'del_fchanges', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
+                     NULL::jsonb[] AS old_points FROM pgbroker_old o$q$, r ->> 'old_key', v_op),
+            'upd_fchanges', format($q$SELECT c.op, c.row_key, c.changed, c.new_points, c.old_points FROM (
+              SELECT (CASE WHEN %1$s THEN 'I' WHEN %2$s THEN 'D' ELSE 'U' END)::"char" AS op,
+                     CASE WHEN %2$s THEN %3$s ELSE %4$s END AS row_key,
+                     CASE WHEN %1$s OR %2$s THEN NULL ELSE %5$s END AS changed,
+                     CASE WHEN %2$s THEN %7$s ELSE %8$s END AS new_points,
+                     CASE WHEN %1$s OR %2$s THEN NULL ELSE %7$s END AS old_points
+                FROM pgbroker_new n FULL JOIN pgbroker_old o ON %6$s) c
+             WHERE c.op <> 'U' OR cardinality(c.changed) > 0$q$,
+                                   r ->> 'old_null', r ->> 'new_null', r ->> 'old_key', r ->> 'new_key', r ->> 'changed',
+                                   r ->> 'same_key', v_op, v_np),
+            'row_ins_fchanges', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed,
+                     %s AS new_points, NULL::jsonb[] AS old_points$q$, r_row ->> 'new_key', v_np_row),
+            'row_del_fchanges', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed,
+                     %s AS new_points, NULL::jsonb[] AS old_points$q$, r_row ->> 'old_key', v_op_row),
+            'row_upd_fchanges', format($q$SELECT 'U'::"char" AS op, %s AS row_key, c.changed, %s AS new_points,
+                     %s AS old_points FROM (SELECT %s AS changed) c WHERE cardinality(c.changed) > 0$q$,
+                                       r_row ->> 'new_key', v_np_row, v_op_row, r_row ->> 'changed'),
+            'row_rekey_fchanges', format($q$SELECT * FROM (VALUES ('D'::"char", %s, NULL::text[], %s, NULL::jsonb[]),
+                                                         ('I', %s, NULL, %s, NULL))
+                     AS c (op, row_key, changed, new_points, old_points)$q$,
+                                         r_row ->> 'old_key', v_op_row, r_row ->> 'new_key', v_np_row));
+    END IF;
+    RETURN v_filtered || jsonb_build_object(
         'watch_id', p_watch.watch_id,
         'ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed FROM pgbroker_new n$q$,
                               r ->> 'new_key'),
@@ -485,6 +607,20 @@ DECLARE
 BEGIN
     IF p_kind = 'trunc' THEN
         v_body := pgbroker._watch_truncate_template();  -- a statement trigger in both modes
+    ELSIF v_slots ? 'ins_fchanges' THEN
+        -- A table with filters: the same fan-out in both modes, over its changes with their points.
+        v_fanout := replace(replace(pgbroker._watch_filtered_template(), '{{ffanout}}', pgbroker._watch_ffanout_template()),
+                            '{{funresolved}}', pgbroker._watch_funresolved_template());
+        IF p_watch.mode = 'row' THEN
+            v_body := replace(pgbroker._watch_row_trigger_template(), '{{row_body}}', CASE p_kind
+                WHEN 'upd' THEN replace(replace(pgbroker._watch_row_update_template(),
+                                                '{{fanout_update}}', replace(v_fanout, '{{fchanges}}', v_slots ->> 'row_upd_fchanges')),
+                                        '{{fanout_rekey}}', replace(v_fanout, '{{fchanges}}', v_slots ->> 'row_rekey_fchanges'))
+                ELSE replace(v_fanout, '{{fchanges}}', v_slots ->> ('row_' || p_kind || '_fchanges')) END);
+        ELSE
+            v_body := replace(replace(pgbroker._watch_filtered_statement_template(), '{{filtered}}', v_fanout),
+                              '{{fchanges}}', v_slots ->> (p_kind || '_fchanges'));
+        END IF;
     ELSIF p_watch.mode = 'row' THEN
         -- The statements first (their own slots are filled below) ...
         v_fanout := replace(replace(pgbroker._watch_row_fanout_template(), '{{merged}}', pgbroker._watch_merged_template()),
@@ -515,11 +651,57 @@ BEGIN
     RETURN pgbroker._render(v_body, v_slots - ARRAY['ins_changes', 'del_changes', 'upd_changes', 'ins_keyed', 'del_keyed',
                                                     'upd_keyed', 'ins_changed_late', 'del_changed_late',
                                                     'upd_changed_late', 'row_ins_changes', 'row_del_changes',
-                                                    'row_upd_changes', 'row_rekey_changes']);
+                                                    'row_upd_changes', 'row_rekey_changes', 'ins_fchanges', 'del_fchanges',
+                                                    'upd_fchanges', 'row_ins_fchanges', 'row_del_fchanges',
+                                                    'row_upd_fchanges', 'row_rekey_fchanges']);
 END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_function_body(pgbroker.watched, text) IS
     'Internal: render the trigger function of kind ins, upd, del or trunc of a watched table from the templates.';
+
+-- (Re)create the trigger functions of a watched table from the templates,
+-- for its mode and its filters' shapes.  CREATE OR REPLACE keeps the
+-- triggers that call them; a writer runs the new body from its next
+-- statement that takes the table's lock (the caller holds it exclusively).
+CREATE FUNCTION pgbroker._watch_create_functions(p_watch pgbroker.watched)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_table regclass := p_watch.relid::regclass;
+    v_kind text;
+    v_event text;
+    v_fn text;
+    -- Keys (and filtered columns) of a type whose to_jsonb() depends on
+    -- session settings are encoded under fixed ones (see _key_settings).
+    v_settings text := pgbroker._key_settings(p_watch.key_types || ARRAY(
+                           SELECT a.atttypid::regtype FROM pgbroker._watch_shapes(p_watch) AS f(columns), unnest(f.columns) AS c
+                             JOIN pg_catalog.pg_attribute a ON a.attrelid = p_watch.relid AND a.attname = c));
+    v_filtered boolean := EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch));
+BEGIN
+    FOR v_kind, v_event IN VALUES ('ins', 'INSERT'), ('upd', 'UPDATE'), ('del', 'DELETE'), ('trunc', 'TRUNCATE') LOOP
+        v_fn := format('pgbroker._watch_%s_%s', p_watch.watch_id, v_kind);
+        -- SECURITY DEFINER: writers may not touch pgbroker's tables themselves.
+        EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
+                       'SET search_path = pg_catalog, pg_temp%s AS %L',
+                       v_fn, CASE WHEN v_kind = 'trunc' THEN ''
+                                  -- A table with filters: its probes are index probes whatever the interest's
+                                  -- statistics say (a plan made while it held a few hundred rows scanned them for
+                                  -- each key: 2x the CPU of an UPDATE), and no plan is JIT-compiled (estimates
+                                  -- grow with the statement's rows and the shapes; a disabled scan costs 1e10).
+                                  WHEN v_filtered THEN v_settings || ' SET enable_seqscan = off SET jit = off'
+                                  ELSE v_settings END,
+                       pgbroker._watch_function_body(p_watch, v_kind));
+        EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,
+                       format('Internal: %s trigger of watched table %s (generated by pgbroker.watch).', v_event, v_table));
+        -- Generated functions are internal: nobody calls them but the triggers.
+        EXECUTE format('REVOKE ALL ON FUNCTION %s() FROM PUBLIC', v_fn);
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._watch_create_functions(pgbroker.watched) IS
+    'Internal: (re)generate the trigger functions of a watched table, for its mode and its filters'' shapes.';
 
 CREATE FUNCTION pgbroker._watch_install(p_watch pgbroker.watched, p_wait interval)
 RETURNS void
@@ -532,9 +714,6 @@ DECLARE
     v_event text;
     v_transitions text;
     v_fn text;
-    -- Keys of a type whose to_jsonb() depends on session settings are
-    -- encoded under fixed ones (see _key_settings).
-    v_settings text := pgbroker._key_settings(p_watch.key_types);
     -- Whether it owns the table (only an owner may comment on its triggers).
     v_owner boolean := pgbroker._watch_check_rights(v_table,
                            EXISTS (SELECT FROM pg_catalog.pg_trigger t
@@ -542,6 +721,7 @@ DECLARE
 BEGIN
     PERFORM pgbroker._watch_lock_table(v_table, p_wait);
     PERFORM pgbroker._watch_drop_triggers(p_watch);
+    PERFORM pgbroker._watch_create_functions(p_watch);
     FOR v_kind, v_event, v_transitions IN
         VALUES ('ins', 'INSERT', 'REFERENCING NEW TABLE AS pgbroker_new'),
                ('upd', 'UPDATE', 'REFERENCING OLD TABLE AS pgbroker_old NEW TABLE AS pgbroker_new'),
@@ -549,15 +729,6 @@ BEGIN
                ('trunc', 'TRUNCATE', '')
     LOOP
         v_fn := format('pgbroker._watch_%s_%s', p_watch.watch_id, v_kind);
-        -- SECURITY DEFINER: writers may not touch pgbroker's tables themselves.
-        EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
-                       'SET search_path = pg_catalog, pg_temp%s AS %L',
-                       v_fn, CASE WHEN v_kind = 'trunc' THEN '' ELSE v_settings END,
-                       pgbroker._watch_function_body(p_watch, v_kind));
-        EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,
-                       format('Internal: %s trigger of watched table %s (generated by pgbroker.watch).', v_event, v_table));
-        -- Generated functions are internal: nobody calls them but the triggers.
-        EXECUTE format('REVOKE ALL ON FUNCTION %s() FROM PUBLIC', v_fn);
         IF p_watch.mode = 'row' AND v_kind <> 'trunc' THEN
             EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s FOR EACH ROW EXECUTE FUNCTION %s()',
                            '_pgbroker_watch_' || v_kind, v_event, v_table, v_fn);
@@ -575,6 +746,33 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker._watch_install(pgbroker.watched, interval) IS
     'Internal: (re)generate the trigger functions of a watched table and (re)create its triggers, of its mode, in the caller''s transaction under the table''s lock.';
+
+-- A filter of a new shape was subscribed to (_filter_shapes_add, which
+-- holds the table's lock): the table's trigger functions are rendered
+-- again, with the shape.  Once per statement.
+CREATE FUNCTION pgbroker._filter_shapes_render()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_watch pgbroker.watched;
+BEGIN
+    FOR v_watch IN SELECT w.* FROM pgbroker.watched w WHERE w.watch_id IN (SELECT a.watch_id FROM added_shapes a)
+                    ORDER BY w.watch_id LOOP
+        PERFORM pgbroker._watch_create_functions(v_watch);
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._filter_shapes_render() IS
+    'Internal (statement trigger): render the trigger functions of the tables that have new filter shapes.';
+
+CREATE TRIGGER _600_render
+AFTER INSERT ON pgbroker.filter_shape
+REFERENCING NEW TABLE AS added_shapes
+FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._filter_shapes_render();
+COMMENT ON TRIGGER _600_render ON pgbroker.filter_shape IS 'A new filter shape renders its table''s trigger functions again.';
 
 CREATE FUNCTION pgbroker._watch_drop_triggers(p_watch pgbroker.watched)
 RETURNS void
@@ -681,6 +879,7 @@ BEGIN
                    'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc()', v_watch.watch_id);
     DELETE FROM pgbroker.outbox WHERE watch_id = v_watch.watch_id;
     DELETE FROM pgbroker.subscription WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.filter_shape WHERE watch_id = v_watch.watch_id;
     DELETE FROM pgbroker.interest WHERE watch_id = v_watch.watch_id;
     DELETE FROM pgbroker.watched WHERE watch_id = v_watch.watch_id;
     RETURN true;

@@ -107,7 +107,9 @@ COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscripti
 
 CREATE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
-       CASE WHEN s.row_key = 'null'::jsonb THEN NULL ELSE s.row_key END AS key, s.subscribed_at
+       CASE WHEN jsonb_typeof(s.row_key) NOT IN ('null', 'object') THEN s.row_key END AS key, s.subscribed_at,
+       -- A filter's points are keys that are JSON objects (350_filters.sql), which no row's key is.
+       CASE WHEN jsonb_typeof(s.row_key) = 'object' THEN s.row_key END AS filter
   FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
          WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
                           OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
@@ -119,8 +121,9 @@ COMMENT ON VIEW pgbroker.subscriptions IS 'Who is subscribed to what: the client
 COMMENT ON COLUMN pgbroker.subscriptions.name IS 'Broker (lease name) of the client.';
 COMMENT ON COLUMN pgbroker.subscriptions.client_id IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscriptions."table" IS 'The watched table.';
-COMMENT ON COLUMN pgbroker.subscriptions.key IS 'The row key (jsonb), NULL for a whole-table subscription.';
+COMMENT ON COLUMN pgbroker.subscriptions.key IS 'The row key (jsonb), NULL for a whole-table subscription or one by filter.';
 COMMENT ON COLUMN pgbroker.subscriptions.subscribed_at IS 'When.';
+COMMENT ON COLUMN pgbroker.subscriptions.filter IS 'For a subscription by filter: one point of the filter, a JSON object of column values ({"team": 7}; a filter with "in" has a row per value); NULL otherwise.';
 
 CREATE VIEW pgbroker.outbox_pending AS
 SELECT o.name, count(*) AS pending, min(o.at) AS oldest

@@ -173,3 +173,66 @@ def test_async_iterator(db_url, connect):
 
     got = asyncio.run(main2())
     assert [(n.op, n.key, n.clients) for n in got] == [("D", 2, ["c1"])]
+
+
+def test_subscribe_by_filter_and_left(db_url, connect, watch_mode):
+    """Broker.subscribe(filter=...), subscribe_filters, unsubscribe(filter=...) and Notification.left (issue 43)."""
+    from pgbroker import InvalidArgument
+
+    writer = connect("writer")
+    writer.execute("INSERT INTO initech.objects (id, name, kind) VALUES (1, 'a', 'gear'), (2, 'b', 'bolt')")
+    with Broker(db_url, heartbeat_interval=0.2) as broker:
+        broker.register("gears")
+        broker.register("many")
+        assert broker.subscribe("gears", "initech.objects", filter={"kind": "gear"}) is True
+        assert broker.subscribe("gears", "initech.objects", filter={"kind": {"in": ["gear"]}}) is False
+        assert broker.subscribe_filters([("many", {"kind": {"in": ["bolt", "nut"]}})], "initech.objects") == 2
+        with pytest.raises(InvalidArgument):
+            broker.subscribe("gears", "initech.objects", filter={"nosuch": 1})
+        with pytest.raises(InvalidArgument):
+            broker.subscribe("gears", "initech.objects", filter={"kind": {"gte": "a"}})
+        writer.execute("UPDATE initech.objects SET kind = 'bolt' WHERE id = 1")
+        got = broker.fetch()
+        assert [(n.op, n.key, sorted(n.clients), n.left) for n in got] == [("U", 1, ["gears", "many"], ["gears"])]
+        broker.ack([n.id for n in got])
+        assert broker.unsubscribe("many", "initech.objects", filter={"kind": {"in": ["bolt", "nut"]}}) is True
+        writer.execute("UPDATE initech.objects SET name = 'c' WHERE id = 2")
+        assert broker.fetch() == []
+
+    async def main() -> list:
+        async with AsyncBroker(db_url, heartbeat_interval=0.2) as broker:
+            await broker.register("bolts")
+            assert await broker.subscribe("bolts", "initech.objects", filter={"kind": "bolt"})
+            writer.execute("UPDATE initech.objects SET kind = 'nut' WHERE id = 2")
+            out = []
+            async for batch in broker.notifications(poll_interval=0.2):
+                out.extend(batch)
+                break
+            assert await broker.unsubscribe("bolts", "initech.objects", filter={"kind": "bolt"})
+            return out
+
+    got = asyncio.run(main())
+    assert [(n.op, n.key, n.clients, n.left) for n in got] == [("U", 2, ["bolts"], ["bolts"])]
+
+
+def test_read_filter_gives_a_filter_subscribers_snapshot(db_url, connect):
+    """Broker.read_filter: the rows a filter matches now, cast as the filter's subscription casts, NULL included."""
+    from pgbroker import InvalidArgument
+
+    writer = connect("writer")
+    writer.execute(
+        "INSERT INTO initech.objects (id, name, kind) VALUES (1, 'a', 'gear'), (2, 'b', 'bolt'), (3, 'c', 'gear'),"
+        " (4, 'd', 'nut')"
+    )
+    with Broker(db_url, heartbeat_interval=0.2) as broker:
+        broker.register("c")
+        flt = {"kind": {"in": ["gear", "nut"]}, "id": {"in": ["1", 4, None]}}
+        assert broker.subscribe("c", "initech.objects", filter=flt)
+        rows = broker.read_filter("initech.objects", flt)
+        assert [(r["id"], r["kind"]) for r in rows] == [(1, "gear"), (4, "nut")]
+        assert [r["id"] for r in broker.read_filter("initech.objects", {"kind": {"eq": "gear"}})] == [1, 3]
+        with pytest.raises(InvalidArgument):
+            broker.read_filter("initech.objects", {'kind"; DROP TABLE initech.objects; --': 1})
+        with pytest.raises(InvalidArgument):
+            broker.read_filter("initech.objects", {"kind": {"gt": "a"}})
+        assert writer.execute("SELECT count(*) FROM initech.objects").fetchone()[0] == 4

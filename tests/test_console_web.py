@@ -21,6 +21,7 @@ import tempfile
 import textwrap
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -646,3 +647,32 @@ def test_forged_lease_notifications_change_nothing_and_events_keep_flowing(pg, s
                 raise AssertionError(f"no lease event after the forged ones: {seen}")
     assert console.get("/api/info")[1]["db"]["state"] == "connected"
     assert "reconnecting" not in console.output()
+
+
+def test_a_clients_subscriptions_show_its_filters_page_by_page(pg, start_console):
+    """Filters (issue 43): a client's subscriptions by filter show one point per row, keyset-paginated with keys."""
+    with psycopg.connect(pg.url, autocommit=True) as holder:
+        holder.execute("SELECT pgbroker.broker_claim('filtered')")
+        holder.execute("SELECT pgbroker.client_register('c', name => 'filtered')")
+        holder.execute("SELECT pgbroker.subscribe('c', 'initech.objects', '5', name => 'filtered')")
+        holder.execute(
+            "SELECT pgbroker.subscribe('c', 'initech.objects', name => 'filtered',"
+            """ filter => '{"kind": {"in": ["a", "b", "c"]}}')"""
+        )
+        try:
+            console = start_console()
+            rows, after = [], ("", "")
+            for _ in range(10):
+                query = urllib.parse.urlencode(
+                    {"name": "filtered", "client": "c", "after_table": after[0], "after_key": after[1], "limit": 1}
+                )
+                status, page = console.get(f"/api/subscriptions?{query}")
+                assert status == 200
+                rows += page["rows"]
+                if not page["more"]:
+                    break
+                after = (page["rows"][-1]["table"], page["rows"][-1]["cursor"])
+            got = sorted((json.dumps(r["key"]), json.dumps(r["filter"])) for r in rows)
+            assert got == sorted([("5", "null")] + [("null", json.dumps({"kind": k})) for k in "abc"]), rows
+        finally:
+            holder.execute("SELECT pgbroker.broker_release('filtered')")

@@ -73,6 +73,30 @@ CASES = [
     ("PB020", NotWatchable, "CREATE TABLE public.nokey (a int)", "postgres", "SELECT pgbroker.watch('public.nokey')"),
     ("42809", NotWatchable, "CREATE VIEW public.v AS SELECT 1 AS a", "postgres", "SELECT pgbroker.watch('public.v')"),
     ("42P01", NotWatchable, None, "postgres", "SELECT pgbroker.watch('public.no_such_table')"),
+    # Filters (issue 43): an unknown column, too many combinations of values, a column with no equality.
+    (
+        "42703",
+        InvalidArgument,
+        "holder",
+        "holder",
+        """SELECT pgbroker.subscribe('c1', 'initech.objects', filter => '{"nosuch": 1}')""",
+    ),
+    (
+        "54000",
+        InvalidArgument,
+        "holder",
+        "holder",
+        "SELECT pgbroker.subscribe('c1', 'initech.objects', filter => jsonb_build_object("
+        "'id', jsonb_build_object('in', (SELECT jsonb_agg(i) FROM generate_series(1, 40) i)),"
+        "'name', jsonb_build_object('in', (SELECT jsonb_agg(i::text) FROM generate_series(1, 40) i))))",
+    ),
+    (
+        "PB023",
+        InvalidArgument,
+        "CREATE TABLE public.withjson (id int PRIMARY KEY, doc json); SELECT pgbroker.watch('public.withjson')",
+        "holder",
+        """SELECT pgbroker.subscribe('c1', 'public.withjson', filter => '{"doc": {"eq": 1}}')""",
+    ),
     (
         "PB021",
         NotWatched,

@@ -365,3 +365,33 @@ def test_registry_feed_applies_every_change_of_one_commit(connect, db_url):
     broker.commit()
     t.join(10)
     assert events == ["register a", "subscribe a", "register b", "subscribe b", "register c", "subscribe c"]
+
+
+def test_registry_feed_shows_filter_points_as_the_events_do(connect, db_url):
+    """Filters (issue 43): the copy's first read and the subscribe events give a filter's points as keys."""
+    broker = connect("broker")
+    claim(broker, "ffeed")
+    register(broker, "c1", "ffeed")
+    broker.execute("""SELECT pgbroker.subscribe('c1', 'initech.objects', name => 'ffeed', filter => '{"kind": "a"}')""")
+    subscribe(broker, "c1", name="ffeed")  # the whole table: key None
+    copies: list[dict] = []
+
+    def follow() -> None:
+        with psycopg.connect(db_url, autocommit=True, user="t_reader") as conn:
+            for registry, _event in pgbroker.registry_feed(conn, "ffeed", poll_interval=0.2):
+                copies.append({k: sorted(v, key=json.dumps) for k, v in registry.subscriptions.items()})
+                if len(copies) == 2:
+                    return
+
+    t = threading.Thread(target=follow)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not copies and time.monotonic() < deadline:
+        time.sleep(0.01)
+    broker.execute(
+        """SELECT pgbroker.subscribe('c1', 'initech.objects', name => 'ffeed', filter => '{"kind": {"in": ["b"]}}')"""
+    )
+    t.join(10)
+    whole, a, b = ("initech.objects", None), ("initech.objects", {"kind": "a"}), ("initech.objects", {"kind": "b"})
+    assert copies[0] == {"c1": sorted([whole, a], key=json.dumps)}
+    assert copies[1] == {"c1": sorted([whole, a, b], key=json.dumps)}

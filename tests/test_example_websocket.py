@@ -216,3 +216,36 @@ def test_fifty_clients_across_a_kill_9_takeover(db_url, connect):
         active.stop()
         if standby is not None:
             standby.stop()
+
+
+def test_a_client_follows_the_objects_of_a_kind(db_url, connect):
+    """Filters (issue 43): a client that sends a filter gets the matching rows in its snapshot, and each change of a
+    row that matches it before or after (the row moving out of the filter included)."""
+    writer = connect("writer")
+    writer.execute("INSERT INTO initech.objects (id, name, kind) VALUES (1, 'a', 'gear'), (2, 'b', 'bolt')")
+    port = _free_port()
+    server = Instance(db_url, port)
+    try:
+        server.wait_for("serving epoch", 30)
+
+        async def follow() -> list[dict]:
+            async with ws_connect(f"ws://127.0.0.1:{port}") as ws:
+                await ws.send(json.dumps({"client": "kinds", "filter": {"kind": "gear"}}))
+                got = [json.loads(await ws.recv())]
+                writer.execute("UPDATE initech.objects SET kind = 'gear' WHERE id = 2")
+                writer.execute("UPDATE initech.objects SET kind = 'nut' WHERE id = 1")
+                writer.execute("UPDATE initech.objects SET name = 'z' WHERE id = 1")  # no longer a gear: not told
+                writer.execute("INSERT INTO initech.objects (id, name, kind) VALUES (3, 'c', 'gear')")
+                for _ in range(3):
+                    got.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+                return got
+
+        got = asyncio.run(follow())
+    finally:
+        server.stop()
+    assert got[0]["type"] == "snapshot" and list(got[0]["rows"]) == ["1"]
+    assert [(m["op"], m["key"], m["row"]["kind"]) for m in got[1:]] == [
+        ("U", 2, "gear"),
+        ("U", 1, "nut"),
+        ("I", 3, "gear"),
+    ]

@@ -468,7 +468,7 @@ def test_every_isolation_level_tells_every_subscribed_client_and_nobody_else(con
                     "SELECT * FROM pgbroker.outbox_fetch('default', 100, %s)", (acked or None,)
                 ).fetchall()
                 acked = [r[0] for r in rows]
-                for _id, _table, _op, key, _changed, clients, _at in rows:
+                for _id, _table, _op, key, _changed, clients, _at, _left in rows:
                     if not clients or key not in subscribers:
                         bad.append({"key": key, "clients": clients})
                     for c in clients or ():

@@ -17,6 +17,9 @@ BROKER_CALLS = (
     "SELECT pgbroker.client_unregister_many(ARRAY['x'])",
     "SELECT pgbroker.subscribe('x', 'initech.objects', '1')",
     "SELECT pgbroker.unsubscribe('x', 'initech.objects', '1')",
+    "SELECT pgbroker.subscribe('x', 'initech.objects', filter => '{\"kind\": \"a\"}')",
+    "SELECT pgbroker.subscribe_filters(ARRAY['x'], 'initech.objects', ARRAY['{\"kind\": \"a\"}'::jsonb])",
+    "SELECT pgbroker.unsubscribe('x', 'initech.objects', filter => '{\"kind\": \"a\"}')",
     "SELECT * FROM pgbroker.outbox_fetch('default', 10)",
     "SELECT pgbroker.outbox_ack('default', '{1}')",
     "SELECT pgbroker.broker_wake()",
@@ -117,6 +120,23 @@ def test_writer_role_triggers_run_but_it_cannot_read_the_outbox(connect, populat
         writer.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         writer.execute("INSERT INTO initech.objects (id) VALUES (1)")
     assert [(r["op"], r["key"]) for r in drain(broker)] == [("I", 1)]
+
+
+def test_writer_role_moves_rows_in_and_out_of_filters(connect, writer_role, watch_mode):
+    """Filters (issue 43): the triggers of a table with filters run with pgbroker's rights, not the writer's."""
+    broker = connect("broker", user="t_broker")
+    claim(broker)
+    register(broker, "gears")
+    broker.execute("""SELECT pgbroker.subscribe('gears', 'initech.objects', filter => '{"kind": "gear"}')""")
+    writer = connect("app", user=writer_role)
+    writer.execute("INSERT INTO initech.objects (id, kind) VALUES (1, 'gear'), (2, 'bolt')")
+    writer.execute("UPDATE initech.objects SET kind = 'nut'")
+    assert [(r["op"], r["key"], r["clients"], r["left"]) for r in drain(broker)] == [
+        ("I", 1, ["gears"], None),
+        ("U", 1, ["gears"], ["gears"]),
+    ]
+    for table in (*TABLES, "filter_shape"):
+        assert denied(writer, f"SELECT * FROM pgbroker.{table}") == "42501", table
 
 
 def test_broker_role_runs_the_broker_but_cannot_watch(connect, writer_role):

@@ -289,6 +289,14 @@ def test_watch_a_table_of_another_owner(profile: Profile):
             broker.execute("SELECT pgbroker.subscribe('c', 'app.items', name => 'w')")
             su.execute("INSERT INTO app.items VALUES (1, 'a')")
             assert len(broker.execute("SELECT * FROM pgbroker.outbox_fetch('w')").fetchall()) == 1
+            # By filter (issue 43): a new shape re-renders the triggers of a table the installer does not own.
+            broker.execute("SELECT pgbroker.broker_sleep('w')")
+            broker.execute("SELECT pgbroker.unsubscribe('c', 'app.items', name => 'w')")
+            broker.execute("""SELECT pgbroker.subscribe('c', 'app.items', filter => '{"v": "b"}', name => 'w')""")
+            su.execute("INSERT INTO app.items VALUES (2, 'b'), (3, 'x')")
+            su.execute("UPDATE app.items SET v = 'c' WHERE id = 2")
+            rows = broker.execute("SELECT op, key, clients, \"left\" FROM pgbroker.outbox_fetch('w')").fetchall()
+            assert [r for r in rows if r[1] != 1] == [("I", 2, ["c"], None), ("U", 2, ["c"], ["c"])]
             # Dropping its triggers needs ownership: a second watch and unwatch say so, and change nothing.
             for sql in ("SELECT pgbroker.watch('app.items', mode => 'row')", "SELECT pgbroker.unwatch('app.items')"):
                 error = _expect_42501(admin, sql)
@@ -325,6 +333,12 @@ CALLS: list[tuple[str, str]] = [
     ("broker", "SELECT pgbroker.subscribe('c1', 'initech.objects', '1', 'all')"),
     ("broker", "SELECT pgbroker.subscribe_many(ARRAY['c2'], 'initech.objects', ARRAY['2'::jsonb], 'all')"),
     ("broker", "SELECT pgbroker.unsubscribe('c2', 'initech.objects', '2', 'all')"),
+    ("broker", "SELECT pgbroker.subscribe('c1', 'initech.objects', name => 'all', filter => '{\"kind\": \"gear\"}')"),
+    (
+        "broker",
+        "SELECT pgbroker.subscribe_filters(ARRAY['c2'], 'initech.objects', ARRAY['{\"kind\": \"x\"}'::jsonb], 'all')",
+    ),
+    ("broker", "SELECT pgbroker.unsubscribe('c2', 'initech.objects', name => 'all', filter => '{\"kind\": \"x\"}')"),
     ("broker", "SELECT count(*) FROM pgbroker.outbox_fetch('all')"),
     ("broker", "SELECT pgbroker.outbox_ack('all', ARRAY[]::bigint[])"),
     ("broker", "SELECT pgbroker.broker_wake('all')"),

@@ -82,12 +82,16 @@ SELECT client_id, info, registered_at, updated_at, subscriptions
  WHERE name = %(name)s AND epoch = %(epoch)s AND client_id > %(after)s
    AND client_id >= %(prefix)s AND pg_catalog.starts_with(client_id, %(prefix)s)
  ORDER BY client_id LIMIT %(limit)s"""
+# filter: one point of a subscription by filter (schema 0.1.0+4; read through to_jsonb so that an older schema,
+# whose view has no such column, gives NULL); cursor: the key or the point as text, the page's order.
 CLIENT_SUBSCRIPTIONS_SQL = """\
-SELECT "table"::text AS "table", key, subscribed_at
-  FROM pgbroker.subscriptions
- WHERE name = %(name)s AND client_id = %(client)s
-   AND ("table"::text, COALESCE(key::text, '')) > (%(after_table)s, %(after_key)s)
- ORDER BY "table"::text, COALESCE(key::text, '') LIMIT %(limit)s"""
+SELECT "table", key, filter, subscribed_at, cursor
+  FROM (SELECT s."table"::text AS "table", s.key, pg_catalog.to_jsonb(s) -> 'filter' AS filter, s.subscribed_at,
+               COALESCE(s.key::text, (pg_catalog.to_jsonb(s) -> 'filter')::text, '') AS cursor
+          FROM pgbroker.subscriptions s
+         WHERE s.name = %(name)s AND s.client_id = %(client)s) x
+ WHERE ("table", cursor) > (%(after_table)s, %(after_key)s)
+ ORDER BY "table", cursor LIMIT %(limit)s"""
 LOCKS_SQL = """\
 SELECT name, mode, holder_pid, application, holder_since, waiting, waiting_since
   FROM pgbroker.locks WHERE name > %(after)s OR (name = %(after)s AND holder_pid > %(after_pid)s)

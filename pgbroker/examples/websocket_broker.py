@@ -5,7 +5,8 @@
 
 Run it twice: the second instance waits (printing who holds the lease) and takes over within milliseconds of the
 first one's end, ``kill -9`` included; the clients reconnect to it and get a fresh snapshot.  A client connects,
-sends ``{"client": "c7", "watch": [1, 2, 3]}`` (keys of ``--table``) and receives ``{"type": "snapshot", "epoch":
+sends ``{"client": "c7", "watch": [1, 2, 3]}`` (keys of ``--table``; or ``"filter": {"kind": "gear"}``, its rows by
+column value, or both) and receives ``{"type": "snapshot", "epoch":
 N, "rows": {"1": {...} or null, ...}}``, then ``{"type": "change", "op": "U", "key": 1, "row": {...} or null}`` for
 every committed change of a watched row, in commit order per row, each row as it is when the change is delivered.
 """
@@ -39,7 +40,7 @@ class WebsocketBroker:
             async for batch in broker.notifications(rows=True):  # raises LeaseLost when the term ends
                 for n in batch:
                     message = json.dumps({"type": "change", "op": n.op, "key": n.key, "row": n.row})
-                    for client in n.clients:
+                    for client in n.clients:  # (a client in n.left: the row left its filter)
                         queue = self.queues.get(client)
                         if queue is not None:
                             queue.put_nowait(message)
@@ -48,16 +49,20 @@ class WebsocketBroker:
         broker = self.broker
         assert broker is not None
         hello = json.loads(await ws.recv())
-        client, keys = str(hello["client"]), list(hello["watch"])
+        client, keys, flt = str(hello["client"]), list(hello.get("watch", [])), hello.get("filter")
         registration = await broker.attach(client, {"peer": str(ws.remote_address)})
         queue: asyncio.Queue[str] = asyncio.Queue()
         sender = None
         try:
             await broker.subscribe_many([(client, key) for key in keys], self.table)
-            rows = await broker.read_rows(self.table, keys)
-            # No await from the read to the queue's registration: every change the loop yields from now on was read
-            # after this snapshot, and those it yielded before are older (AsyncBroker.read_rows).
-            snapshot = {"type": "snapshot", "epoch": broker.epoch, "rows": dict(zip(map(str, keys), rows, strict=True))}
+            if flt:  # {"kind": "gear"}: every row of kind gear, those that become so, and those that stop being so
+                await broker.subscribe(client, self.table, filter=flt)
+            rows = dict(zip(map(str, keys), await broker.read_rows(self.table, keys), strict=True))
+            matching = await broker.read_filter(self.table, flt) if flt else []
+            # No await from the last read to the queue's registration: every change the loop yields from now on was
+            # read after this snapshot, and those it yielded before are older (AsyncBroker.read_rows, read_filter).
+            rows.update((str(r["id"]), r) for r in matching)
+            snapshot = {"type": "snapshot", "epoch": broker.epoch, "rows": rows}
             queue.put_nowait(json.dumps(snapshot))
             self.queues[client] = queue
             sender = asyncio.ensure_future(self.send(ws, queue))

@@ -368,10 +368,12 @@
     const c = cursor("subscriptions") || ["", ""];
     const page = await api("subscriptions", { name: name, client: state.client, after_table: c[0], after_key: c[1], limit: 50 });
     $("subscriptions-title").textContent = "Subscriptions of " + state.client;
-    table("subscriptions", [["table", (s) => s.table], ["key", (s) => s.key === null ? "(the whole table)" : s.key],
+    // A subscription by filter shows one point of its filter (a filter with "in" has one row per value).
+    table("subscriptions", [["table", (s) => s.table],
+      ["key", (s) => s.key !== null ? s.key : (s.filter ? "filter " + JSON.stringify(s.filter) : "(the whole table)")],
       ["since", (s) => when(s.subscribed_at)]], page.rows);
     const last = page.rows[page.rows.length - 1];
-    pager("subscriptions", page.more, last ? [last.table, last.key === null ? "" : JSON.stringify(last.key)] : null, loadSubscriptions);
+    pager("subscriptions", page.more, last ? [last.table, last.cursor] : null, loadSubscriptions);
   }
 
   function onRegistry(message) {

@@ -1,0 +1,1099 @@
+-- pgbroker_0004_filters: filters.
+-- Drafted by migrations/new_revision.py from sql/, with the hand-written blocks marked below.
+
+-- ---------------------------------------------------------------------------
+-- Hand-written (begin): before the functions.  SQL-language functions below
+-- name the new table and columns, which are made at the end (the outbox's
+-- columns last: ALTER TABLE locks it, and the lock is held to commit), so
+-- their bodies are not checked at creation, as pg_dump does.
+SET LOCAL check_function_bodies = off;
+
+CREATE TABLE pgbroker.filter_shape (
+    watch_id integer NOT NULL,   -- no foreign key (see subscription); unwatch() deletes its table's
+    columns text[] NOT NULL,
+    added_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    PRIMARY KEY (watch_id, columns)
+);
+COMMENT ON TABLE pgbroker.filter_shape IS
+    'The shapes (sets of columns) of the filters subscribed to per watched table: the triggers compute each changed row''s point of each. Internal: subscribe with a filter adds them.';
+COMMENT ON COLUMN pgbroker.filter_shape.watch_id IS 'The watched table.';
+COMMENT ON COLUMN pgbroker.filter_shape.columns IS 'The columns of the shape, sorted (COLLATE "C").';
+COMMENT ON COLUMN pgbroker.filter_shape.added_at IS 'When the first filter of this shape was subscribed.';
+-- Hand-written (end).
+-- ---------------------------------------------------------------------------
+
+DROP FUNCTION pgbroker.subscribe(text,regclass,jsonb,text,bigint,interval);
+DROP FUNCTION pgbroker.unsubscribe(text,regclass,jsonb,text,bigint);
+CREATE OR REPLACE FUNCTION pgbroker._filter_max_points()
+ RETURNS integer
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE
+AS $function$ SELECT 1000 $function$;
+COMMENT ON FUNCTION pgbroker._filter_max_points() IS 'Internal: the most points one filter may expand into (54000 beyond).';
+REVOKE ALL ON FUNCTION pgbroker._filter_max_points() FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._filter_max_shapes()
+ RETURNS integer
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE
+AS $function$ SELECT 32 $function$;
+COMMENT ON FUNCTION pgbroker._filter_max_shapes() IS 'Internal: the most shapes (sets of filtered columns) a watched table may have (54000 beyond).';
+REVOKE ALL ON FUNCTION pgbroker._filter_max_shapes() FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._filter_points(p_watch pgbroker.watched, p_filters jsonb[], p_bulk boolean)
+ RETURNS TABLE(pos bigint, columns text[], point jsonb)
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+ SET "TimeZone" TO 'UTC'
+ SET "IntervalStyle" TO 'postgres'
+ SET extra_float_digits TO '1'
+ SET bytea_output TO 'hex'
+ SET lc_monetary TO 'C'
+AS $function$
+DECLARE
+    v_bad record;
+    v_col record;
+    v_pos bigint[];
+    v_cols text[];
+    v_vals jsonb[];
+    v_enc jsonb[];
+    v_cast text;
+    v_state text;
+    v_message text;
+BEGIN
+    IF cardinality(p_watch.key_columns) = 1 AND p_watch.key_types[1] IN ('jsonb'::regtype, 'json'::regtype) THEN
+        RAISE EXCEPTION 'table % cannot be subscribed to by filter: its key is one jsonb column', p_watch.table_name
+            USING ERRCODE = 'PB023', HINT = 'Subscribe by key, or to the whole table.';
+    END IF;
+    -- Each filter a non-empty object.
+    SELECT u.i, u.f INTO v_bad FROM unnest(p_filters) WITH ORDINALITY AS u(f, i)
+     WHERE u.f IS NULL OR jsonb_typeof(u.f) <> 'object' OR u.f = '{}'::jsonb
+     ORDER BY u.i LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION '%: a filter must be a non-empty JSON object of column names and values, not %',
+                pgbroker._filter_where(p_bulk, v_bad.i), coalesce(v_bad.f::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'For example {"team": 7}, {"status": {"in": ["open", "pending"]}}, {"closed_at": null}.';
+    END IF;
+    -- Every (filter, column, condition), read once (arrays: unnest, never subscripts).
+    SELECT array_agg(u.i ORDER BY u.i), array_agg(x.key ORDER BY u.i), array_agg(x.value ORDER BY u.i)
+      INTO v_pos, v_cols, v_vals
+      FROM unnest(p_filters) WITH ORDINALITY AS u(f, i), jsonb_each(u.f) AS x(key, value);
+    -- Each column one of the table's (an exact, case-sensitive name, as the catalog has it): each name once.
+    SELECT min(u.i) AS i, u.col INTO v_bad
+      FROM unnest(v_pos, v_cols) AS u(i, col)
+     WHERE u.col IN (SELECT d.col FROM (SELECT DISTINCT c AS col FROM unnest(v_cols) AS c) d
+                      WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a
+                                         WHERE a.attrelid = p_watch.relid AND a.attname = d.col AND a.attnum > 0
+                                           AND NOT a.attisdropped))
+     GROUP BY u.col ORDER BY 1 LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION '%: column % of table % does not exist', pgbroker._filter_where(p_bulk, v_bad.i),
+                quote_ident(v_bad.col), p_watch.table_name
+            USING ERRCODE = 'undefined_column';
+    END IF;
+    -- Each value: a JSON value (equality), {"eq": value} or {"in": [values, ...]} (not empty).
+    SELECT u.i, u.col, u.v,
+           CASE WHEN jsonb_typeof(u.v) = 'array' THEN 'array'
+                WHEN u.v = '{}'::jsonb THEN 'empty'
+                WHEN (SELECT count(*) FROM jsonb_object_keys(u.v)) > 1 THEN 'several'
+                WHEN u.v ? 'in' THEN 'in'
+                WHEN u.v ?| ARRAY['lt', 'lte', 'gt', 'gte', 'neq', 'ne', 'like'] THEN 'unsupported'
+                ELSE 'unknown' END AS problem
+      INTO v_bad
+      FROM unnest(v_pos, v_cols, v_vals) AS u(i, col, v)
+     WHERE jsonb_typeof(u.v) IN ('array', 'object')
+       AND NOT (jsonb_typeof(u.v) = 'object' AND (SELECT count(*) FROM jsonb_object_keys(u.v)) = 1
+                AND (u.v ? 'eq' OR (u.v ? 'in' AND jsonb_typeof(u.v -> 'in') = 'array' AND u.v -> 'in' <> '[]'::jsonb)))
+     ORDER BY u.i LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION '%: %', pgbroker._filter_where(p_bulk, v_bad.i), CASE v_bad.problem
+                WHEN 'array' THEN format('the value of column %s is an array: several values are {"in": [...]}, an array value {"eq": [...]}',
+                                         quote_ident(v_bad.col))
+                WHEN 'empty' THEN format('column %s has an empty operator object', quote_ident(v_bad.col))
+                WHEN 'several' THEN format('column %s has more than one operator (%s): give one (ranges are not supported)',
+                                           quote_ident(v_bad.col), v_bad.v)
+                WHEN 'in' THEN format('"in" of column %s must be a non-empty JSON array', quote_ident(v_bad.col))
+                WHEN 'unsupported' THEN format('operator %s of column %s is not supported: filters compare for equality only',
+                                               (SELECT k FROM jsonb_object_keys(v_bad.v) AS k LIMIT 1), quote_ident(v_bad.col))
+                ELSE format('unknown operator %s of column %s', quote_literal((SELECT k FROM jsonb_object_keys(v_bad.v) AS k LIMIT 1)),
+                            quote_ident(v_bad.col)) END
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'A column''s condition is a JSON value (equality; null matches NULL), {"eq": value} or {"in": [value, ...]}.';
+    END IF;
+    -- Every (filter, column, value): the values of "in" one by one (a value given twice makes a point given twice,
+    -- which subscribes once).
+    SELECT array_agg(e.i ORDER BY e.n, e.m), array_agg(e.col ORDER BY e.n, e.m), array_agg(e.v ORDER BY e.n, e.m)
+      INTO v_pos, v_cols, v_vals
+      FROM (SELECT u.i, u.col, u.n, y.m, y.v
+              FROM unnest(v_pos, v_cols, v_vals) WITH ORDINALITY AS u(i, col, c, n)
+              CROSS JOIN LATERAL (SELECT z.v, z.m FROM jsonb_array_elements(u.c -> 'in') WITH ORDINALITY AS z(v, m)
+                                   WHERE jsonb_typeof(u.c) = 'object' AND u.c ? 'in'
+                                  UNION ALL
+                                  SELECT CASE WHEN jsonb_typeof(u.c) = 'object' THEN u.c -> 'eq' ELSE u.c END, 1
+                                   WHERE jsonb_typeof(u.c) <> 'object' OR u.c ? 'eq') AS y(v, m)) e;
+    -- Too many points?
+    SELECT n.i, n.points INTO v_bad
+      FROM (SELECT c.i, round(exp(sum(ln(c.n)))) AS points
+              FROM (SELECT u.i, u.col, count(*) AS n FROM unnest(v_pos, v_cols) AS u(i, col) GROUP BY u.i, u.col) c
+             GROUP BY c.i) n
+     WHERE n.points > pgbroker._filter_max_points()
+     ORDER BY n.i LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION '%: the filter has % combinations of values, more than %', pgbroker._filter_where(p_bulk, v_bad.i),
+                v_bad.points, pgbroker._filter_max_points()
+            USING ERRCODE = 'program_limit_exceeded', HINT = 'Split it into several filters.';
+    END IF;
+    -- Each column's values cast to its type (so "7" and 7 are the same value of an integer column), and encoded as
+    -- the triggers encode the row's value, in one statement; a column whose type has no equality is refused.
+    v_cast := '';
+    FOR v_col IN SELECT a.attname::text AS col, a.atttypid::regtype AS typ,
+                        coalesce(nullif(t.typbasetype, 0), t.oid)::regtype AS base
+                   FROM pg_catalog.pg_attribute a
+                   JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
+                  WHERE a.attrelid = p_watch.relid AND a.attnum > 0 AND NOT a.attisdropped
+                    AND a.attname = ANY (v_cols)
+                  ORDER BY a.attnum LOOP
+        BEGIN
+            EXECUTE format('SELECT NULL::%s = NULL::%s', v_col.typ, v_col.typ);
+        EXCEPTION WHEN undefined_function THEN
+            SELECT min(u.i) AS i INTO v_bad FROM unnest(v_pos, v_cols) AS u(i, col) WHERE u.col = v_col.col;
+            RAISE EXCEPTION '%: column % has type %, which has no equality operator', pgbroker._filter_where(p_bulk, v_bad.i),
+                    quote_ident(v_col.col), v_col.typ
+                USING ERRCODE = 'PB023', HINT = 'Filters compare for equality: filter on another column.';
+        END;
+        v_cast := v_cast || format(' WHEN %L THEN to_jsonb(%s::%s)', v_col.col,
+                                   CASE WHEN v_col.base = 'jsonb'::regtype THEN 'u.v' ELSE $q$(u.v #>> '{}')$q$ END, v_col.typ);
+    END LOOP;
+    BEGIN
+        EXECUTE format($q$SELECT array_agg(CASE WHEN jsonb_typeof(u.v) = 'null' THEN 'null'::jsonb ELSE CASE u.col %s END END
+                                           ORDER BY u.n)
+                            FROM unnest($1, $2) WITH ORDINALITY AS u(v, col, n)$q$, v_cast)
+           INTO v_enc USING v_vals, v_cols;
+    EXCEPTION WHEN data_exception OR integrity_constraint_violation THEN
+        -- Which value: one at a time, in order, for the message.
+        FOR v_bad IN SELECT u.i, u.col, u.v, a.atttypid::regtype AS typ
+                       FROM unnest(v_pos, v_cols, v_vals) AS u(i, col, v)
+                       JOIN pg_catalog.pg_attribute a ON a.attrelid = p_watch.relid AND a.attname = u.col
+                      WHERE jsonb_typeof(u.v) <> 'null' ORDER BY u.i, u.col LOOP
+            BEGIN
+                EXECUTE format('SELECT %s::%s', CASE WHEN v_bad.typ = 'jsonb'::regtype THEN quote_literal(v_bad.v)
+                                                     ELSE quote_literal(v_bad.v #>> '{}') END, v_bad.typ);
+            EXCEPTION WHEN data_exception OR integrity_constraint_violation THEN
+                GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT;
+                RAISE EXCEPTION '%: value % of column % does not cast to its type %: %', pgbroker._filter_where(p_bulk, v_bad.i),
+                        v_bad.v, quote_ident(v_bad.col), v_bad.typ, v_message
+                    USING ERRCODE = v_state;
+            END;
+        END LOOP;
+        RAISE;  -- cannot happen: no value alone fails
+    END;
+    -- The points.  Filters of one column: one point per value.  Others: the product of their columns' values,
+    -- built column by column.
+    IF NOT EXISTS (SELECT FROM unnest(v_pos, v_cols) AS u(i, col) GROUP BY u.i HAVING count(DISTINCT u.col) > 1) THEN
+        RETURN QUERY
+        SELECT u.i, ARRAY[u.col], jsonb_build_object(u.col, u.enc) FROM unnest(v_pos, v_cols, v_enc) AS u(i, col, enc);
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH RECURSIVE e AS (
+        SELECT u.i, u.col, u.enc FROM unnest(v_pos, v_cols, v_enc) AS u(i, col, enc)
+    ), c AS (
+        SELECT e.i, e.col, e.enc, dense_rank() OVER (PARTITION BY e.i ORDER BY e.col COLLATE "C") AS k FROM e
+    ), s AS (
+        SELECT c.i, max(c.k) AS k, array_agg(DISTINCT c.col COLLATE "C") AS columns FROM c GROUP BY c.i
+    ), p (i, k, point) AS (
+        SELECT s.i, 0::bigint, '{}'::jsonb FROM s
+        UNION ALL
+        SELECT p.i, c.k, p.point || jsonb_build_object(c.col, c.enc) FROM p JOIN c ON c.i = p.i AND c.k = p.k + 1
+    )
+    SELECT p.i, s.columns, p.point FROM p JOIN s ON s.i = p.i AND s.k = p.k;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._filter_points(pgbroker.watched,jsonb[],boolean) IS 'Internal: the points (subscription keys) of filters of a watched table, with their filter''s position and shape; the first bad filter''s error names it.';
+REVOKE ALL ON FUNCTION pgbroker._filter_points(pgbroker.watched,jsonb[],boolean) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._filter_shapes_add(p_watch pgbroker.watched, p_shapes jsonb[], p_wait interval)
+ RETURNS void
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_shapes bigint;
+BEGIN
+    IF NOT EXISTS (SELECT FROM unnest(p_shapes) AS u(s)
+                    WHERE NOT EXISTS (SELECT FROM pgbroker.filter_shape f
+                                       WHERE f.watch_id = p_watch.watch_id
+                                         AND f.columns = ARRAY(SELECT jsonb_array_elements_text(u.s)))) THEN
+        RETURN;
+    END IF;
+    PERFORM pgbroker._watch_lock_table(p_watch.relid::regclass, p_wait);
+    INSERT INTO pgbroker.filter_shape (watch_id, columns)
+    SELECT p_watch.watch_id, ARRAY(SELECT jsonb_array_elements_text(u.s)) FROM unnest(p_shapes) AS u(s)
+    ON CONFLICT DO NOTHING;
+    SELECT count(*) INTO v_shapes FROM pgbroker.filter_shape f WHERE f.watch_id = p_watch.watch_id;
+    IF v_shapes > pgbroker._filter_max_shapes() THEN
+        RAISE EXCEPTION 'table % would have % shapes of filters (sets of filtered columns), more than %',
+                p_watch.table_name, v_shapes, pgbroker._filter_max_shapes()
+            USING ERRCODE = 'program_limit_exceeded',
+                  HINT = 'Filter on fewer combinations of columns; shapes stay until unwatch().';
+    END IF;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._filter_shapes_add(pgbroker.watched,jsonb[],interval) IS 'Internal: record the shapes (JSON arrays of sorted column names) not known yet of a watched table, under the table''s lock (PB022 after p_wait); its triggers are rendered again.';
+REVOKE ALL ON FUNCTION pgbroker._filter_shapes_add(pgbroker.watched,jsonb[],interval) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._filter_shapes_render()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_watch pgbroker.watched;
+BEGIN
+    FOR v_watch IN SELECT w.* FROM pgbroker.watched w WHERE w.watch_id IN (SELECT a.watch_id FROM added_shapes a)
+                    ORDER BY w.watch_id LOOP
+        PERFORM pgbroker._watch_create_functions(v_watch);
+    END LOOP;
+    RETURN NULL;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._filter_shapes_render() IS 'Internal (statement trigger): render the trigger functions of the tables that have new filter shapes.';
+REVOKE ALL ON FUNCTION pgbroker._filter_shapes_render() FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._filter_where(p_bulk boolean, p_position bigint)
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT CASE WHEN p_bulk THEN 'filters[' || p_position || ']' ELSE 'filter' END $function$;
+COMMENT ON FUNCTION pgbroker._filter_where(boolean,bigint) IS 'Internal: "filter" or "filters[i]", for error messages.';
+REVOKE ALL ON FUNCTION pgbroker._filter_where(boolean,bigint) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._subscribe_filters(p_name text, p_epoch bigint, p_client_ids text[], p_watch pgbroker.watched, p_filters jsonb[], p_wait interval, p_bulk boolean)
+ RETURNS bigint
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_ids text[];
+    v_points jsonb[];
+    v_positions integer[];
+    v_shapes jsonb[];
+BEGIN
+    PERFORM pgbroker._wait_ms(p_wait);  -- 22023 on a negative wait, before anything
+    WITH p AS MATERIALIZED (
+        SELECT p.pos, p.columns, p.point FROM pgbroker._filter_points(p_watch, p_filters, p_bulk) AS p
+    )
+    SELECT array_agg(c.id ORDER BY p.pos), array_agg(p.point ORDER BY p.pos), array_agg(p.pos::integer ORDER BY p.pos),
+           (SELECT array_agg(to_jsonb(q.columns)) FROM (SELECT DISTINCT r.columns FROM p AS r) q)
+      INTO v_ids, v_points, v_positions, v_shapes
+      FROM p JOIN unnest(p_client_ids) WITH ORDINALITY AS c(id, i) ON c.i = p.pos;
+    PERFORM pgbroker._filter_shapes_add(p_watch, v_shapes, p_wait);
+    RETURN pgbroker._subscribe_pairs(p_name, p_epoch, v_ids, p_watch, v_points, p_wait, v_positions);
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._subscribe_filters(text,bigint,text[],pgbroker.watched,jsonb[],interval,boolean) IS 'Internal: subscribe client_ids[i] to every point of filters[i] of a watched table; returns how many subscriptions were new.';
+REVOKE ALL ON FUNCTION pgbroker._subscribe_filters(text,bigint,text[],pgbroker.watched,jsonb[],interval,boolean) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._subscribe_pairs(p_name text, p_epoch bigint, p_client_ids text[], p_watch pgbroker.watched, p_keys jsonb[], p_wait interval, p_positions integer[])
+ RETURNS bigint
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+ SET plan_cache_mode TO 'force_custom_plan'
+ SET enable_mergejoin TO 'off'
+AS $function$
+DECLARE
+    v_ids text[];
+    v_client_keys bigint[];
+    v_fresh boolean[];
+    v_bad integer;
+    v_new bigint;
+    v_watched boolean;
+    v_announced bigint;
+BEGIN
+    -- Each client given, looked up and its row locked (as subscribe() locks
+    -- it) once, by an index probe: a batch costs the same whatever the
+    -- number of the epoch's clients.  Or the error subscribe() gives for the
+    -- first unknown one, naming its position.  A client with no subscription
+    -- to the table yet (every client, after a restart) is "fresh": none of
+    -- its pairs needs looking for below.
+    WITH ids AS (
+        SELECT u.id, min(coalesce(u.pos, u.i)) AS i
+          FROM unnest(p_client_ids, p_positions) WITH ORDINALITY AS u(id, pos, i) GROUP BY u.id
+    )
+    SELECT min(ids.i) FILTER (WHERE c.client_key IS NULL), array_agg(ids.id), array_agg(c.client_key),
+           array_agg(NOT EXISTS (SELECT FROM pgbroker.subscription s
+                                  WHERE s.client_key = c.client_key AND s.watch_id = p_watch.watch_id))
+      INTO v_bad, v_ids, v_client_keys, v_fresh
+      FROM ids
+      LEFT JOIN LATERAL (SELECT x.client_key FROM pgbroker.client x
+                          WHERE x.name = p_name AND x.epoch = p_epoch AND x.client_id = ids.id
+                            FOR KEY SHARE) c ON true;
+    IF v_bad IS NOT NULL THEN
+        RAISE EXCEPTION 'client "%" (client_ids[%]) is not registered with broker "%"',
+                (SELECT u.id FROM unnest(p_client_ids, p_positions) WITH ORDINALITY AS u(id, pos, i)
+                  WHERE coalesce(u.pos, u.i) = v_bad LIMIT 1), v_bad, p_name
+            USING ERRCODE = 'PB010', HINT = 'Register it first with pgbroker.client_register() or client_register_many().';
+    END IF;
+    PERFORM pgbroker._subscribe_lock(p_watch, p_watch.relid::regclass, p_wait);
+    v_watched := pgbroker._registry_watched(p_name);
+    -- One statement, one round of the watch lock, whatever the number: the
+    -- pairs not subscribed yet (a pair given twice counts once), inserted,
+    -- and their ids appended to the interest of their key.  No ON CONFLICT: subscriptions to a table are only made under
+    -- its watch lock, which this transaction holds exclusively, so no other
+    -- can insert one of these pairs meanwhile.  (Arrays are read with unnest,
+    -- never subscripted: subscripting an array of variable-length values
+    -- costs time in proportion to the position.)
+    WITH clients AS (
+        SELECT k.id, k.client_key, k.fresh FROM unnest(v_ids, v_client_keys, v_fresh) AS k(id, client_key, fresh)
+    ), new AS MATERIALIZED (
+        SELECT c.client_key, g.id, g.row_key
+          FROM (SELECT DISTINCT u.id, u.row_key FROM unnest(p_client_ids, p_keys) AS u(id, row_key)) g
+          JOIN clients c ON c.id = g.id
+          -- an index probe per pair of a client that is not fresh, never a scan of what the table has
+          LEFT JOIN LATERAL (SELECT true AS found FROM pgbroker.subscription s
+                              WHERE NOT c.fresh
+                                AND s.client_key = c.client_key AND s.watch_id = p_watch.watch_id AND s.row_key = g.row_key
+                              LIMIT 1) e ON true
+         WHERE e.found IS NULL
+    ), added AS (
+        INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
+        SELECT n.client_key, p_watch.watch_id, n.row_key FROM new n
+    ), interest AS (
+        INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
+        SELECT p_watch.watch_id, n.row_key, p_name, p_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = p_name),
+               array_agg(n.id)
+          FROM new n
+         GROUP BY n.row_key
+        ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || excluded.clients
+    )
+    -- (A FILTER is tested before its aggregate's argument: nothing is
+    -- announced while nobody watches.)
+    SELECT count(*),
+           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(p_name),
+                                   pgbroker._registry_subscription_event('subscribe', p_name, p_epoch, n.id,
+                                                                         p_watch.relid::regclass::text, n.row_key))))
+               FILTER (WHERE v_watched)
+      INTO v_new, v_announced
+      FROM new n;
+    RETURN v_new;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._subscribe_pairs(text,bigint,text[],pgbroker.watched,jsonb[],interval,integer[]) IS 'Internal: subscribe client_ids[i] to the encoded key (or filter point) keys[i] of a watched table, for every i, in one statement under the table''s watch lock; returns how many were new.';
+REVOKE ALL ON FUNCTION pgbroker._subscribe_pairs(text,bigint,text[],pgbroker.watched,jsonb[],interval,integer[]) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._watch_create_functions(p_watch pgbroker.watched)
+ RETURNS void
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_table regclass := p_watch.relid::regclass;
+    v_kind text;
+    v_event text;
+    v_fn text;
+    -- Keys (and filtered columns) of a type whose to_jsonb() depends on
+    -- session settings are encoded under fixed ones (see _key_settings).
+    v_settings text := pgbroker._key_settings(p_watch.key_types || ARRAY(
+                           SELECT a.atttypid::regtype FROM pgbroker._watch_shapes(p_watch) AS f(columns), unnest(f.columns) AS c
+                             JOIN pg_catalog.pg_attribute a ON a.attrelid = p_watch.relid AND a.attname = c));
+    v_filtered boolean := EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch));
+BEGIN
+    FOR v_kind, v_event IN VALUES ('ins', 'INSERT'), ('upd', 'UPDATE'), ('del', 'DELETE'), ('trunc', 'TRUNCATE') LOOP
+        v_fn := format('pgbroker._watch_%s_%s', p_watch.watch_id, v_kind);
+        -- SECURITY DEFINER: writers may not touch pgbroker's tables themselves.
+        EXECUTE format('CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER '
+                       'SET search_path = pg_catalog, pg_temp%s AS %L',
+                       v_fn, CASE WHEN v_kind = 'trunc' THEN ''
+                                  -- A table with filters: its probes are index probes whatever the interest's
+                                  -- statistics say (a plan made while it held a few hundred rows scanned them for
+                                  -- each key: 2x the CPU of an UPDATE), and no plan is JIT-compiled (estimates
+                                  -- grow with the statement's rows and the shapes; a disabled scan costs 1e10).
+                                  WHEN v_filtered THEN v_settings || ' SET enable_seqscan = off SET jit = off'
+                                  ELSE v_settings END,
+                       pgbroker._watch_function_body(p_watch, v_kind));
+        EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,
+                       format('Internal: %s trigger of watched table %s (generated by pgbroker.watch).', v_event, v_table));
+        -- Generated functions are internal: nobody calls them but the triggers.
+        EXECUTE format('REVOKE ALL ON FUNCTION %s() FROM PUBLIC', v_fn);
+    END LOOP;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._watch_create_functions(pgbroker.watched) IS 'Internal: (re)generate the trigger functions of a watched table, for its mode and its filters'' shapes.';
+REVOKE ALL ON FUNCTION pgbroker._watch_create_functions(pgbroker.watched) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._watch_ffanout_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients, left_clients)
+        SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients, z.left_clients
+          FROM (SELECT g.name, g.epoch, g.lock_key, g.clients, g.left_clients, k.op, k.row_key, k.changed
+                  FROM ({{fchanges}} OFFSET 0) k
+                 CROSS JOIN LATERAL (
+                       SELECT m.name, m.epoch, min(m.lock_key) AS lock_key, array_agg(m.c ORDER BY m.c) AS clients,
+                              array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
+                         FROM (SELECT j.name, j.epoch, min(j.lock_key) AS lock_key, x.c, bool_and(p.old) AS gone
+                                 FROM (SELECT q.key, bool_and(q.old) AS old
+                                         FROM (SELECT y, false FROM unnest(k.new_points || ARRAY[k.row_key, 'null'::jsonb]) AS y
+                                               UNION ALL
+                                               SELECT y, true FROM unnest(k.old_points) AS y) AS q (key, old)
+                                        GROUP BY q.key) p
+                                CROSS JOIN LATERAL (SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
+                                                     WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key OFFSET 0) j
+                                CROSS JOIN LATERAL unnest(j.clients) AS x(c)
+                                GROUP BY j.name, j.epoch, x.c) m
+                        GROUP BY m.name, m.epoch) g
+                OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+         WHERE {{alive_and_woken:z}}$t$
+$function$;
+COMMENT ON FUNCTION pgbroker._watch_ffanout_template() IS 'Internal: template of the INSERT ... SELECT by which the watch triggers of a table with filters fan out its changes.';
+REVOKE ALL ON FUNCTION pgbroker._watch_ffanout_template() FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._watch_filtered_statement_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$
+BEGIN
+{{filtered}}
+    RETURN NULL;
+END
+$t$
+$function$;
+COMMENT ON FUNCTION pgbroker._watch_filtered_statement_template() IS 'Internal: template of the statement-level INSERT, UPDATE and DELETE trigger functions of a watched table with filters.';
+REVOKE ALL ON FUNCTION pgbroker._watch_filtered_statement_template() FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._watch_filtered_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            -- First whether any change has a subscriber at all: one index probe per change for its key, the whole
+            -- table and its points (a change that matches nothing, the common case, costs no more).
+            IF EXISTS (SELECT FROM ({{fchanges}} OFFSET 0) k
+                        CROSS JOIN LATERAL unnest(k.new_points || k.old_points || ARRAY[k.row_key, 'null'::jsonb]) AS y(key)
+                        CROSS JOIN LATERAL (SELECT FROM pgbroker.interest j
+                                             WHERE j.watch_id = {{watch_id}} AND j.row_key = y.key LIMIT 1) j) THEN
+{{ffanout}};
+            END IF;
+        ELSE
+{{funresolved}};
+        END IF;$t$
+$function$;
+COMMENT ON FUNCTION pgbroker._watch_filtered_template() IS 'Internal: template of the fan-out of the changes of a table with filters (both trigger modes).';
+REVOKE ALL ON FUNCTION pgbroker._watch_filtered_template() FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._watch_funresolved_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients, new_points, old_points)
+        SELECT l.name, l.epoch, {{watch_id}}, l.op, l.row_key, l.changed, NULL, l.new_points, l.old_points
+          FROM (SELECT b.name, b.epoch, b.lock_key, k.op, k.row_key, k.changed, k.new_points, k.old_points
+                  FROM ({{fchanges}} OFFSET 0) k
+                 CROSS JOIN pgbroker.lease b
+                 WHERE b.state = 'held' AND b.expires_at IS NULL
+                OFFSET 0) l
+         WHERE {{alive_and_woken:l}}$t$
+$function$;
+COMMENT ON FUNCTION pgbroker._watch_funresolved_template() IS 'Internal: template of the INSERT ... SELECT of a table with filters that writes changes for every live broker with their clients left to be resolved at fetch.';
+REVOKE ALL ON FUNCTION pgbroker._watch_funresolved_template() FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._watch_points(p_watch pgbroker.watched, p_row text)
+ RETURNS text
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT CASE WHEN count(*) > 0 THEN
+               format('ARRAY[%s]::jsonb[]',
+                      string_agg(format('jsonb_build_object(%s)',
+                                        (SELECT string_agg(format('%L, %s.%I', c, p_row, c), ', ' ORDER BY c COLLATE "C")
+                                           FROM unnest(f.columns) AS c)), ', ' ORDER BY f.columns)) END
+      FROM pgbroker._watch_shapes(p_watch) AS f(columns)
+$function$;
+COMMENT ON FUNCTION pgbroker._watch_points(pgbroker.watched,text) IS 'Internal: the SQL expression of the filter points (jsonb[], one per shape) of a row of a watched table; NULL without filters.';
+REVOKE ALL ON FUNCTION pgbroker._watch_points(pgbroker.watched,text) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._watch_shapes(p_watch pgbroker.watched)
+ RETURNS SETOF text[]
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT f.columns FROM pgbroker.filter_shape f
+     WHERE f.watch_id = p_watch.watch_id
+       AND NOT EXISTS (SELECT FROM unnest(f.columns) AS c
+                        WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a
+                                           WHERE a.attrelid = p_watch.relid AND a.attname = c AND a.attnum > 0
+                                             AND NOT a.attisdropped))
+     ORDER BY f.columns
+$function$;
+COMMENT ON FUNCTION pgbroker._watch_shapes(pgbroker.watched) IS 'Internal: the shapes (sorted column names) of the filters of a watched table whose columns all exist.';
+REVOKE ALL ON FUNCTION pgbroker._watch_shapes(pgbroker.watched) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL::jsonb, name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint, wait interval DEFAULT '00:00:05'::interval, filter jsonb DEFAULT NULL::jsonb)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe.epoch);
+    v_client bigint := pgbroker._client_key(v_name, v_epoch, subscribe.client_id);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe."table");
+    v_key jsonb;
+BEGIN
+    IF subscribe.filter IS NOT NULL THEN
+        IF subscribe.key IS NOT NULL THEN
+            RAISE EXCEPTION 'give a key or a filter, not both' USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        RETURN pgbroker._subscribe_filters(v_name, v_epoch, ARRAY[subscribe.client_id], v_watch, ARRAY[subscribe.filter],
+                                           subscribe.wait, false) > 0;
+    END IF;
+    v_key := pgbroker._encode_key(v_watch, subscribe.key);
+    PERFORM pgbroker._subscribe_lock(v_watch, subscribe."table", subscribe.wait);
+    INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
+    VALUES (v_client, v_watch.watch_id, v_key)
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
+    VALUES (v_watch.watch_id, v_key, v_name, v_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = v_name),
+            ARRAY[subscribe.client_id])
+    ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || subscribe.client_id;
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_subscription_event('subscribe', v_name, v_epoch, subscribe.client_id,
+                                                                v_watch.relid::regclass::text, v_key));
+    END IF;
+    RETURN true;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker.subscribe(text,regclass,jsonb,text,bigint,interval,jsonb) IS 'Holder only: subscribe client CLIENT_ID to the row of watched TABLE whose primary key is KEY (jsonb: a scalar for a
+one-column key, an array in key order for a composite one), or to the whole table when KEY and FILTER are NULL, or to
+the rows matching FILTER (a JSON object of column values: {"team": 7}, {"status": {"in": ["open", "pending"]}},
+{"closed_at": null}; several columns must all match; sql/README.md, "Filters"), whose clients are also told when a row
+leaves it (outbox_fetch''s left).
+No gap: once it returns, every change that commits later is in the outbox, so a client that subscribes and then reads
+the row (or the filter''s rows) misses nothing. Waits up to WAIT for writer transactions already past their trigger
+(PB022 after that); writers never wait for it. Returns false when the subscription existed (a filter: each of its points).
+PB010 unknown client, PB021 table not watched, 22023 bad key; a bad filter: 22023, 42703, PB023, 54000, 22P02 (sql/README.md, "Filters").';
+REVOKE ALL ON FUNCTION pgbroker.subscribe(text,regclass,jsonb,text,bigint,interval,jsonb) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION pgbroker.subscribe(text,regclass,jsonb,text,bigint,interval,jsonb) TO pgbroker_broker;
+CREATE OR REPLACE FUNCTION pgbroker.subscribe_filters(client_ids text[], "table" regclass, filters jsonb[], name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint, wait interval DEFAULT '00:00:05'::interval)
+ RETURNS bigint
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe_filters.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe_filters.epoch);
+    v_n integer := pgbroker._check_arrays('client_ids', array_ndims(subscribe_filters.client_ids),
+                                          cardinality(subscribe_filters.client_ids), 'filters',
+                                          array_ndims(subscribe_filters.filters), cardinality(subscribe_filters.filters),
+                                          false);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe_filters."table");
+BEGIN
+    IF v_n = 0 THEN
+        RETURN 0;
+    END IF;
+    RETURN pgbroker._subscribe_filters(v_name, v_epoch, subscribe_filters.client_ids, v_watch, subscribe_filters.filters,
+                                       subscribe_filters.wait, true);
+END
+$function$;
+COMMENT ON FUNCTION pgbroker.subscribe_filters(text[],regclass,jsonb[],text,bigint,interval) IS 'Holder only: subscribe client CLIENT_IDS[i] to the rows of watched TABLE matching FILTERS[i] (as subscribe()''s
+FILTER), for every i, in one statement; returns how many subscriptions (points of filters) were new.
+As subscribe_many() otherwise: no gap, one wait for the table''s writers per call, errors naming their position
+(client_ids[3], filters[3]): PB010, 22023, 42703, PB023, 54000, 22P02; nothing of the call is kept when it fails.';
+REVOKE ALL ON FUNCTION pgbroker.subscribe_filters(text[],regclass,jsonb[],text,bigint,interval) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION pgbroker.subscribe_filters(text[],regclass,jsonb[],text,bigint,interval) TO pgbroker_broker;
+CREATE OR REPLACE FUNCTION pgbroker.unsubscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL::jsonb, name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint, filter jsonb DEFAULT NULL::jsonb)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_name text := pgbroker._check_name(unsubscribe.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, unsubscribe.epoch);
+    v_client bigint := pgbroker._client_key(v_name, v_epoch, unsubscribe.client_id);
+    v_watch pgbroker.watched := pgbroker._watch_of(unsubscribe."table");
+    v_keys jsonb[];
+    v_n integer;
+BEGIN
+    IF unsubscribe.filter IS NULL THEN
+        v_keys := ARRAY[pgbroker._encode_key(v_watch, unsubscribe.key)];
+    ELSIF unsubscribe.key IS NOT NULL THEN
+        RAISE EXCEPTION 'give a key or a filter, not both' USING ERRCODE = 'invalid_parameter_value';
+    ELSE
+        v_keys := ARRAY(SELECT p.point FROM pgbroker._filter_points(v_watch, ARRAY[unsubscribe.filter], false) AS p);
+    END IF;
+    WITH gone AS (
+        DELETE FROM pgbroker.subscription s
+         WHERE s.client_key = v_client AND s.watch_id = v_watch.watch_id AND s.row_key = ANY (v_keys)
+        RETURNING s.row_key
+    )
+    SELECT array_agg(g.row_key) INTO v_keys FROM gone g;
+    v_n := cardinality(v_keys);
+    IF v_n IS NULL THEN
+        RETURN false;
+    END IF;
+    PERFORM pgbroker._interest_shrink(array_fill(v_watch.watch_id, ARRAY[v_n]), v_keys, array_fill(v_name, ARRAY[v_n]),
+                                      array_fill(v_epoch, ARRAY[v_n]), array_fill(unsubscribe.client_id, ARRAY[v_n]));
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_subscription_event('unsubscribe', v_name, v_epoch, unsubscribe.client_id,
+                                                                v_watch.relid::regclass::text, k))
+           FROM unnest(v_keys) AS k;
+    END IF;
+    RETURN true;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker.unsubscribe(text,regclass,jsonb,text,bigint,jsonb) IS 'Holder only: drop the subscription of CLIENT_ID to KEY of TABLE (KEY and FILTER NULL: the whole-table one), or to every point of FILTER (as in subscribe()); false when there was none.';
+REVOKE ALL ON FUNCTION pgbroker.unsubscribe(text,regclass,jsonb,text,bigint,jsonb) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION pgbroker.unsubscribe(text,regclass,jsonb,text,bigint,jsonb) TO pgbroker_broker;
+DROP FUNCTION pgbroker._outbox_fetch_departed(text,bigint,bigint,integer,bigint[]);  -- its result type changed: dropped and created again
+CREATE OR REPLACE FUNCTION pgbroker._outbox_fetch_departed(p_name text, p_epoch bigint, p_floor bigint, p_max_rows integer, p_ack bigint[])
+ RETURNS TABLE(id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamp with time zone, "left" text[])
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_upto bigint;
+BEGIN
+    DELETE FROM pgbroker.outbox_departed d WHERE d.name = p_name AND d.epoch = p_epoch AND d.last_id <= p_floor;
+    SELECT max(d.last_id) INTO v_upto FROM pgbroker.outbox_departed d WHERE d.name = p_name AND d.epoch = p_epoch;
+    RETURN QUERY
+    WITH acked AS (
+        DELETE FROM pgbroker.outbox b
+         WHERE b.name = p_name AND b.epoch = p_epoch AND b.id = ANY (p_ack)
+    ), batch AS MATERIALIZED (
+        SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.at,
+               CASE WHEN o.id > v_upto OR o.left_clients IS NULL THEN o.left_clients
+                    ELSE ARRAY(SELECT x.c FROM unnest(o.left_clients) WITH ORDINALITY AS x(c, n)
+                                WHERE NOT EXISTS (SELECT FROM pgbroker.outbox_departed d
+                                                   WHERE d.name = p_name AND d.epoch = p_epoch AND d.client_id = x.c
+                                                     AND d.last_id >= o.id)
+                                ORDER BY x.n) END AS left_clients,
+               CASE WHEN o.id > v_upto THEN o.clients
+                    ELSE ARRAY(SELECT x.c FROM unnest(o.clients) WITH ORDINALITY AS x(c, n)
+                                WHERE NOT EXISTS (SELECT FROM pgbroker.outbox_departed d
+                                                   WHERE d.name = p_name AND d.epoch = p_epoch AND d.client_id = x.c
+                                                     AND d.last_id >= o.id)
+                                ORDER BY x.n) END AS clients
+          FROM pgbroker.outbox o
+         WHERE o.name = p_name AND o.epoch = p_epoch AND o.id > p_floor
+           AND (p_ack IS NULL OR o.id <> ALL (p_ack))
+           AND o.id < COALESCE((SELECT min(u.id) FROM pgbroker.outbox u
+                                 WHERE u.name = p_name AND u.epoch = p_epoch AND u.clients IS NULL),
+                               9223372036854775807)
+         ORDER BY o.id
+         LIMIT p_max_rows
+    ), emptied AS (
+        DELETE FROM pgbroker.outbox e
+         WHERE e.name = p_name AND e.epoch = p_epoch AND e.id = ANY (ARRAY(SELECT b.id FROM batch b WHERE b.clients = '{}'))
+    )
+    SELECT b.id, (SELECT w.relid::regclass::text FROM pgbroker.watched w WHERE w.watch_id = b.watch_id),
+           b.op::text, b.row_key, b.changed, b.clients, b.at, nullif(b.left_clients, '{}')
+      FROM batch b
+     WHERE b.clients <> '{}'
+     ORDER BY b.id;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._outbox_fetch_departed(text,bigint,bigint,integer,bigint[]) IS 'Internal: outbox_fetch() while clients departed (pgbroker.outbox_departed): the rows without them, those left with nobody deleted.';
+REVOKE ALL ON FUNCTION pgbroker._outbox_fetch_departed(text,bigint,bigint,integer,bigint[]) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._outbox_resolve(p_name text, p_epoch bigint)
+ RETURNS void
+ LANGUAGE sql
+AS $function$
+    WITH resolved AS MATERIALIZED (
+        SELECT o.ctid AS row_ctid,
+               -- A row's subscribers by two probes, each on the interest's whole key.  (An OR
+               -- with the truncate's case, or row_key IN (key, null), let a plan made on the
+               -- statistics of an interest loaded since read the broker's whole interest of
+               -- the table for each row: 51 ms a row at 30,000 keys, and the broker fell
+               -- behind its writers while clients churned.)
+               CASE WHEN o.new_points IS NOT NULL THEN coalesce(f.clients, '{}')
+                    WHEN o.op = 'T'
+                    THEN ARRAY(SELECT DISTINCT s FROM pgbroker.interest i, unnest(i.clients) AS s
+                                WHERE i.watch_id = o.watch_id AND i.name = p_name AND i.epoch = p_epoch
+                                ORDER BY 1)
+                    ELSE ARRAY(SELECT DISTINCT s
+                                 FROM (SELECT i.clients FROM pgbroker.interest i
+                                        WHERE i.watch_id = o.watch_id AND i.row_key = o.row_key
+                                          AND i.name = p_name AND i.epoch = p_epoch
+                                       UNION ALL
+                                       SELECT i.clients FROM pgbroker.interest i
+                                        WHERE i.watch_id = o.watch_id AND i.row_key = 'null'::jsonb
+                                          AND i.name = p_name AND i.epoch = p_epoch) q,
+                                      unnest(q.clients) AS s
+                                ORDER BY 1) END AS clients,
+               f.left_clients
+          FROM pgbroker.outbox o
+          -- A row of a table with filters: the subscribers of its key, of the whole table and of its points
+          -- after the change, and those of its points before it only, who saw it leave (as the triggers do).
+          LEFT JOIN LATERAL (
+               SELECT array_agg(m.c ORDER BY m.c) AS clients, array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
+                 FROM (SELECT x.c, bool_and(p.old) AS gone
+                         FROM (SELECT q.key, bool_and(q.old) AS old
+                                 FROM (SELECT k, false FROM unnest(o.new_points || ARRAY[o.row_key, 'null'::jsonb]) AS k
+                                       UNION ALL
+                                       SELECT k, true FROM unnest(o.old_points) AS k) AS q (key, old)
+                                GROUP BY q.key) p
+                         JOIN pgbroker.interest i
+                           ON i.watch_id = o.watch_id AND i.row_key = p.key AND i.name = p_name AND i.epoch = p_epoch
+                        CROSS JOIN LATERAL unnest(i.clients) AS x(c)
+                        GROUP BY x.c) m
+                WHERE o.new_points IS NOT NULL) f ON true
+         WHERE o.name = p_name AND o.epoch = p_epoch AND o.clients IS NULL
+    ), told AS (
+        -- Each row by its ctid (only this broker's session changes its rows): joined by (name, id), or
+        -- (name, epoch, id) on the plan of a generic estimate of one row, each was looked for among all the
+        -- epoch's rows, O(n^2): a fetch ran for minutes over 13,000 rows written while subscribes churned.
+        UPDATE pgbroker.outbox o SET clients = r.clients, left_clients = r.left_clients
+          FROM resolved r
+         WHERE o.ctid = r.row_ctid AND r.clients <> '{}'
+    )
+    DELETE FROM pgbroker.outbox d USING resolved r WHERE d.ctid = r.row_ctid AND r.clients = '{}';
+$function$;
+CREATE OR REPLACE FUNCTION pgbroker._watch_function_body(p_watch pgbroker.watched, p_kind text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_slots jsonb := pgbroker._watch_slots(p_watch);
+    v_body text;
+    v_fanout text;
+    v_row text;
+BEGIN
+    IF p_kind = 'trunc' THEN
+        v_body := pgbroker._watch_truncate_template();  -- a statement trigger in both modes
+    ELSIF v_slots ? 'ins_fchanges' THEN
+        -- A table with filters: the same fan-out in both modes, over its changes with their points.
+        v_fanout := replace(replace(pgbroker._watch_filtered_template(), '{{ffanout}}', pgbroker._watch_ffanout_template()),
+                            '{{funresolved}}', pgbroker._watch_funresolved_template());
+        IF p_watch.mode = 'row' THEN
+            v_body := replace(pgbroker._watch_row_trigger_template(), '{{row_body}}', CASE p_kind
+                WHEN 'upd' THEN replace(replace(pgbroker._watch_row_update_template(),
+                                                '{{fanout_update}}', replace(v_fanout, '{{fchanges}}', v_slots ->> 'row_upd_fchanges')),
+                                        '{{fanout_rekey}}', replace(v_fanout, '{{fchanges}}', v_slots ->> 'row_rekey_fchanges'))
+                ELSE replace(v_fanout, '{{fchanges}}', v_slots ->> ('row_' || p_kind || '_fchanges')) END);
+        ELSE
+            v_body := replace(replace(pgbroker._watch_filtered_statement_template(), '{{filtered}}', v_fanout),
+                              '{{fchanges}}', v_slots ->> (p_kind || '_fchanges'));
+        END IF;
+    ELSIF p_watch.mode = 'row' THEN
+        -- The statements first (their own slots are filled below) ...
+        v_fanout := replace(replace(pgbroker._watch_row_fanout_template(), '{{merged}}', pgbroker._watch_merged_template()),
+                            '{{unresolved}}', pgbroker._watch_unresolved_template());
+        v_body := replace(pgbroker._watch_row_trigger_template(), '{{row_body}}', CASE p_kind
+            WHEN 'upd' THEN replace(replace(pgbroker._watch_row_update_template(),
+                                            '{{fanout_update}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_upd_changes')),
+                                    '{{fanout_rekey}}', replace(v_fanout, '{{changes}}', v_slots ->> 'row_rekey_changes'))
+            ELSE replace(v_fanout, '{{changes}}', v_slots ->> ('row_' || p_kind || '_changes')) END);
+    ELSE
+        v_body := pgbroker._watch_trigger_template();
+        v_body := replace(v_body, '{{fanout}}', pgbroker._watch_fanout_template());
+        v_body := replace(v_body, '{{merged}}', pgbroker._watch_merged_template());
+        v_body := replace(v_body, '{{unresolved}}', pgbroker._watch_unresolved_template());
+        v_body := replace(v_body, '{{bulk_literal}}', quote_literal(
+                              pgbroker._render(replace(pgbroker._watch_bulk_template(), '{{alive_and_woken:l}}',
+                                                       pgbroker._render(pgbroker._watch_alive_template(), '{"r": "l"}')),
+                                               v_slots || jsonb_build_object('keyed', v_slots ->> (p_kind || '_keyed'),
+                                                                             'changed_late', v_slots ->> (p_kind || '_changed_late')))));
+        v_slots := v_slots || jsonb_build_object('changes', v_slots ->> (p_kind || '_changes'),
+                                                 'transition', CASE p_kind WHEN 'del' THEN 'pgbroker_old' ELSE 'pgbroker_new' END);
+    END IF;
+    -- ... then the liveness tests, then the table's expressions.
+    FOREACH v_row IN ARRAY ARRAY['z', 't', 'l'] LOOP
+        v_body := replace(v_body, '{{alive_and_woken:' || v_row || '}}',
+                          pgbroker._render(pgbroker._watch_alive_template(), jsonb_build_object('r', v_row)));
+    END LOOP;
+    RETURN pgbroker._render(v_body, v_slots - ARRAY['ins_changes', 'del_changes', 'upd_changes', 'ins_keyed', 'del_keyed',
+                                                    'upd_keyed', 'ins_changed_late', 'del_changed_late',
+                                                    'upd_changed_late', 'row_ins_changes', 'row_del_changes',
+                                                    'row_upd_changes', 'row_rekey_changes', 'ins_fchanges', 'del_fchanges',
+                                                    'upd_fchanges', 'row_ins_fchanges', 'row_del_fchanges',
+                                                    'row_upd_fchanges', 'row_rekey_fchanges']);
+END
+$function$;
+CREATE OR REPLACE FUNCTION pgbroker._watch_install(p_watch pgbroker.watched, p_wait interval)
+ RETURNS void
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_table regclass := p_watch.relid::regclass;
+    v_kind text;
+    v_event text;
+    v_transitions text;
+    v_fn text;
+    -- Whether it owns the table (only an owner may comment on its triggers).
+    v_owner boolean := pgbroker._watch_check_rights(v_table,
+                           EXISTS (SELECT FROM pg_catalog.pg_trigger t
+                                    WHERE t.tgrelid = p_watch.relid AND t.tgname LIKE '\_pgbroker\_watch\_%'));
+BEGIN
+    PERFORM pgbroker._watch_lock_table(v_table, p_wait);
+    PERFORM pgbroker._watch_drop_triggers(p_watch);
+    PERFORM pgbroker._watch_create_functions(p_watch);
+    FOR v_kind, v_event, v_transitions IN
+        VALUES ('ins', 'INSERT', 'REFERENCING NEW TABLE AS pgbroker_new'),
+               ('upd', 'UPDATE', 'REFERENCING OLD TABLE AS pgbroker_old NEW TABLE AS pgbroker_new'),
+               ('del', 'DELETE', 'REFERENCING OLD TABLE AS pgbroker_old'),
+               ('trunc', 'TRUNCATE', '')
+    LOOP
+        v_fn := format('pgbroker._watch_%s_%s', p_watch.watch_id, v_kind);
+        IF p_watch.mode = 'row' AND v_kind <> 'trunc' THEN
+            EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s FOR EACH ROW EXECUTE FUNCTION %s()',
+                           '_pgbroker_watch_' || v_kind, v_event, v_table, v_fn);
+        ELSE
+            EXECUTE format('CREATE TRIGGER %I AFTER %s ON %s %s FOR EACH STATEMENT EXECUTE FUNCTION %s()',
+                           '_pgbroker_watch_' || v_kind, v_event, v_table, v_transitions, v_fn);
+        END IF;
+        CONTINUE WHEN NOT v_owner;
+        EXECUTE format('COMMENT ON TRIGGER %I ON %s IS %L', '_pgbroker_watch_' || v_kind, v_table,
+                       format('pgbroker: tells subscribed clients of %s.',
+                              CASE v_kind WHEN 'ins' THEN 'inserted rows' WHEN 'upd' THEN 'updated rows'
+                                          WHEN 'del' THEN 'deleted rows' ELSE 'a TRUNCATE' END));
+    END LOOP;
+END
+$function$;
+CREATE OR REPLACE FUNCTION pgbroker._watch_slots(p_watch pgbroker.watched)
+ RETURNS jsonb
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    r jsonb := pgbroker._watch_exprs(p_watch, 'n', 'o');          -- over the transition tables' rows
+    v_changed_k text := pgbroker._watch_exprs(p_watch, '(k.n)', '(k.o)') ->> 'changed';  -- whole rows (bulk)
+    r_row jsonb := pgbroker._watch_exprs(p_watch, 'NEW', 'OLD');   -- one row (row mode)
+    v_np text := pgbroker._watch_points(p_watch, 'n');
+    v_op text := pgbroker._watch_points(p_watch, 'o');
+    v_np_row text := pgbroker._watch_points(p_watch, 'NEW');
+    v_op_row text := pgbroker._watch_points(p_watch, 'OLD');
+    v_filtered jsonb := '{}';
+BEGIN
+    IF v_np IS NOT NULL THEN
+        -- A table with filters: the changes with the rows' points (old_points for U only).
+        v_filtered := jsonb_build_object(
+            'ins_fchanges', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
+                     NULL::jsonb[] AS old_points FROM pgbroker_new n$q$, r ->> 'new_key', v_np),
+            'del_fchanges', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
+                     NULL::jsonb[] AS old_points FROM pgbroker_old o$q$, r ->> 'old_key', v_op),
+            'upd_fchanges', format($q$SELECT c.op, c.row_key, c.changed, c.new_points, c.old_points FROM (
+              SELECT (CASE WHEN %1$s THEN 'I' WHEN %2$s THEN 'D' ELSE 'U' END)::"char" AS op,
+                     CASE WHEN %2$s THEN %3$s ELSE %4$s END AS row_key,
+                     CASE WHEN %1$s OR %2$s THEN NULL ELSE %5$s END AS changed,
+                     CASE WHEN %2$s THEN %7$s ELSE %8$s END AS new_points,
+                     CASE WHEN %1$s OR %2$s THEN NULL ELSE %7$s END AS old_points
+                FROM pgbroker_new n FULL JOIN pgbroker_old o ON %6$s) c
+             WHERE c.op <> 'U' OR cardinality(c.changed) > 0$q$,
+                                   r ->> 'old_null', r ->> 'new_null', r ->> 'old_key', r ->> 'new_key', r ->> 'changed',
+                                   r ->> 'same_key', v_op, v_np),
+            'row_ins_fchanges', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed,
+                     %s AS new_points, NULL::jsonb[] AS old_points$q$, r_row ->> 'new_key', v_np_row),
+            'row_del_fchanges', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed,
+                     %s AS new_points, NULL::jsonb[] AS old_points$q$, r_row ->> 'old_key', v_op_row),
+            'row_upd_fchanges', format($q$SELECT 'U'::"char" AS op, %s AS row_key, c.changed, %s AS new_points,
+                     %s AS old_points FROM (SELECT %s AS changed) c WHERE cardinality(c.changed) > 0$q$,
+                                       r_row ->> 'new_key', v_np_row, v_op_row, r_row ->> 'changed'),
+            'row_rekey_fchanges', format($q$SELECT * FROM (VALUES ('D'::"char", %s, NULL::text[], %s, NULL::jsonb[]),
+                                                         ('I', %s, NULL, %s, NULL))
+                     AS c (op, row_key, changed, new_points, old_points)$q$,
+                                         r_row ->> 'old_key', v_op_row, r_row ->> 'new_key', v_np_row));
+    END IF;
+    RETURN v_filtered || jsonb_build_object(
+        'watch_id', p_watch.watch_id,
+        'ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed FROM pgbroker_new n$q$,
+                              r ->> 'new_key'),
+        'del_changes', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed FROM pgbroker_old o$q$,
+                              r ->> 'old_key'),
+        -- OLD and NEW rows paired by key: a key change is a D and an I, an
+        -- UPDATE that changes no column is no change.
+        'upd_changes', format($q$SELECT c.op, c.row_key, c.changed FROM (
+              SELECT (CASE WHEN %1$s THEN 'I' WHEN %2$s THEN 'D' ELSE 'U' END)::"char" AS op,
+                     CASE WHEN %2$s THEN %3$s ELSE %4$s END AS row_key,
+                     CASE WHEN %1$s OR %2$s THEN NULL ELSE %5$s END AS changed
+                FROM pgbroker_new n FULL JOIN pgbroker_old o ON %6$s) c
+             WHERE c.op <> 'U' OR cardinality(c.changed) > 0$q$,
+                              r ->> 'old_null', r ->> 'new_null', r ->> 'old_key', r ->> 'new_key', r ->> 'changed',
+                              r ->> 'same_key'),
+        -- Bulk statements compare the columns of subscribed rows only: the
+        -- changes with their whole OLD and NEW rows, and the comparison.
+        'ins_keyed', format($q$SELECT 'I'::"char" AS op, %s AS row_key FROM pgbroker_new n$q$, r ->> 'new_key'),
+        'del_keyed', format($q$SELECT 'D'::"char" AS op, %s AS row_key FROM pgbroker_old o$q$, r ->> 'old_key'),
+        'upd_keyed', format($q$SELECT (CASE WHEN %1$s THEN 'I' WHEN %2$s THEN 'D' ELSE 'U' END)::"char" AS op,
+                     CASE WHEN %2$s THEN %3$s ELSE %4$s END AS row_key, n, o
+                FROM pgbroker_new n FULL JOIN pgbroker_old o ON %5$s$q$,
+                              r ->> 'old_null', r ->> 'new_null', r ->> 'old_key', r ->> 'new_key', r ->> 'same_key'),
+        'ins_changed_late', 'NULL::text[]',
+        'del_changed_late', 'NULL::text[]',
+        'upd_changed_late', format($q$CASE WHEN k.op = 'U' THEN %s END$q$, v_changed_k),
+        -- Row mode: the change of one row, over PL/pgSQL's NEW and OLD.
+        'row_ins_changes', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'new_key'),
+        'row_del_changes', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed$q$,
+                                  r_row ->> 'old_key'),
+        'row_upd_changes', format($q$SELECT 'U'::"char" AS op, %s AS row_key, c.changed FROM (SELECT %s AS changed) c
+                                   WHERE cardinality(c.changed) > 0$q$, r_row ->> 'new_key', r_row ->> 'changed'),
+        'row_rekey_changes', format($q$SELECT * FROM (VALUES ('D'::"char", %s, NULL::text[]), ('I', %s, NULL))
+                                     AS c (op, row_key, changed)$q$, r_row ->> 'old_key', r_row ->> 'new_key'),
+        'same_key', r_row ->> 'same_key');
+END
+$function$;
+DROP FUNCTION pgbroker.outbox_fetch(text,integer,bigint[]);  -- its result type changed: dropped and created again
+CREATE OR REPLACE FUNCTION pgbroker.outbox_fetch(name text DEFAULT 'default'::text, max_rows integer DEFAULT 1000, ack bigint[] DEFAULT NULL::bigint[])
+ RETURNS TABLE(id bigint, "table" text, op text, key jsonb, changed text[], clients text[], at timestamp with time zone, "left" text[])
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+ SET plan_cache_mode TO 'force_generic_plan'
+ SET enable_seqscan TO 'off'
+ SET enable_bitmapscan TO 'off'
+AS $function$
+DECLARE
+    v_epoch bigint;
+    v_unresolved boolean;
+    v_floor bigint;
+BEGIN
+    PERFORM pgbroker._name_check('lease', outbox_fetch.name, true);
+    -- The holder's epoch, whether rows await their clients, and the floor
+    -- when it has nothing to move (as _outbox_floor's first test: NULL
+    -- otherwise, and _outbox_floor runs).
+    SELECT l.epoch, EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = l.name AND u.epoch = l.epoch AND u.clients IS NULL),
+           CASE WHEN f.s[1] = l.epoch::text AND cardinality(f.s) = 5
+                     AND current_setting('transaction_isolation') = 'read committed'
+                     AND CASE WHEN f.s[4] <> '' THEN f.s[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
+                              ELSE to_timestamp(nullif(f.s[5], '')::double precision) >= clock_timestamp() - interval '100 ms' END
+                THEN f.s[2]::bigint END
+      INTO v_epoch, v_unresolved, v_floor
+      FROM pgbroker.lease l,
+           (SELECT string_to_array(current_setting('pgbroker.outbox_floor', true), ':') AS s) f
+     WHERE l.name = outbox_fetch.name AND l.state = 'held' AND l.expires_at IS NULL
+       AND l.holder_pid = pg_backend_pid() AND l.holder_backend_start = pgbroker._my_backend_start();
+    IF v_epoch IS NULL THEN
+        v_epoch := pgbroker._holder_epoch(outbox_fetch.name);  -- raises the error that applies (bad name, PB001)
+    END IF;
+    IF outbox_fetch.max_rows IS NULL OR outbox_fetch.max_rows < 1 THEN
+        RAISE EXCEPTION 'max_rows must be at least 1' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF v_floor IS NULL THEN
+        -- First, before this transaction writes anything (see _outbox_floor).
+        v_floor := pgbroker._outbox_floor(outbox_fetch.name, v_epoch, true);
+    END IF;
+    IF v_unresolved THEN
+        PERFORM pgbroker._outbox_resolve(outbox_fetch.name, v_epoch);
+    END IF;
+    -- Rows that may name clients unregistered since: fetched without them (_outbox_fetch_departed).
+    IF EXISTS (SELECT FROM pgbroker.outbox_departed d
+                WHERE d.name = outbox_fetch.name AND d.epoch = v_epoch AND d.last_id > v_floor) THEN
+        RETURN QUERY SELECT * FROM pgbroker._outbox_fetch_departed(outbox_fetch.name, v_epoch, v_floor, outbox_fetch.max_rows,
+                                                                   outbox_fetch.ack);
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH acked AS (  -- the previous batch, acknowledged in the same round trip
+        DELETE FROM pgbroker.outbox b
+         WHERE b.name = outbox_fetch.name AND b.epoch = v_epoch AND b.id = ANY (outbox_fetch.ack)
+    )
+    SELECT o.id, (SELECT w.relid::regclass::text FROM pgbroker.watched w WHERE w.watch_id = o.watch_id),
+           o.op::text, o.row_key, o.changed, o.clients, o.at, o.left_clients
+      FROM pgbroker.outbox o
+     WHERE o.name = outbox_fetch.name AND o.epoch = v_epoch AND o.id > v_floor
+       AND (outbox_fetch.ack IS NULL OR o.id <> ALL (outbox_fetch.ack))
+       AND o.id < COALESCE((SELECT min(u.id) FROM pgbroker.outbox u
+                             WHERE u.name = outbox_fetch.name AND u.epoch = v_epoch AND u.clients IS NULL),
+                           9223372036854775807)
+     ORDER BY o.id
+     LIMIT outbox_fetch.max_rows;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker.outbox_fetch(text,integer,bigint[]) IS 'Holder only: up to MAX_ROWS pending notifications of lease NAME, oldest first (for any one row: in commit order).
+Each: id, table, op (I/U/D/T), key (jsonb, NULL for T), changed (column names, for U), clients (client ids to tell, each
+once, never empty), at, left (those of the clients that the row left: their filters matched it before this update and
+none of their subscriptions matches it after; NULL when none).
+Rows stay until acknowledged, by outbox_ack() or by passing their ids as ACK to the next outbox_fetch() (one round
+trip less): at-least-once delivery within the epoch.';
+REVOKE ALL ON FUNCTION pgbroker.outbox_fetch(text,integer,bigint[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION pgbroker.outbox_fetch(text,integer,bigint[]) TO pgbroker_broker;
+CREATE OR REPLACE FUNCTION pgbroker.schema_version()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$ SELECT '0.1.0+4'::text $function$;
+CREATE OR REPLACE FUNCTION pgbroker.subscribe_many(client_ids text[], "table" regclass, keys jsonb[], name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint, wait interval DEFAULT '00:00:05'::interval)
+ RETURNS bigint
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_name text := pgbroker._check_name(subscribe_many.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, subscribe_many.epoch);
+    v_n integer := pgbroker._check_arrays('client_ids', array_ndims(subscribe_many.client_ids),
+                                          cardinality(subscribe_many.client_ids), 'keys', array_ndims(subscribe_many.keys),
+                                          cardinality(subscribe_many.keys), false);
+    v_watch pgbroker.watched := pgbroker._watch_of(subscribe_many."table");
+BEGIN
+    RETURN pgbroker._subscribe_pairs(v_name, v_epoch, subscribe_many.client_ids, v_watch,
+                                     pgbroker._encode_keys(v_watch, subscribe_many.keys), subscribe_many.wait, NULL);
+END
+$function$;
+CREATE OR REPLACE FUNCTION pgbroker.unwatch("table" regclass, wait interval DEFAULT '00:00:05'::interval)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_watch pgbroker.watched;
+BEGIN
+    SELECT * INTO v_watch FROM pgbroker.watched WHERE relid = unwatch."table";
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = v_watch.relid) THEN
+        PERFORM pgbroker._watch_check_rights(v_watch.relid::regclass, true);
+        PERFORM pgbroker._watch_lock_table(v_watch.relid::regclass, unwatch.wait);
+    END IF;
+    PERFORM pgbroker._watch_drop_triggers(v_watch);
+    EXECUTE format('DROP FUNCTION pgbroker._watch_%1$s_ins(), pgbroker._watch_%1$s_upd(), '
+                   'pgbroker._watch_%1$s_del(), pgbroker._watch_%1$s_trunc()', v_watch.watch_id);
+    DELETE FROM pgbroker.outbox WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.subscription WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.filter_shape WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.interest WHERE watch_id = v_watch.watch_id;
+    DELETE FROM pgbroker.watched WHERE watch_id = v_watch.watch_id;
+    RETURN true;
+END
+$function$;
+
+-- ---------------------------------------------------------------------------
+-- Hand-written (begin): after the functions.
+CREATE TRIGGER _600_render
+AFTER INSERT ON pgbroker.filter_shape
+REFERENCING NEW TABLE AS added_shapes
+FOR EACH STATEMENT EXECUTE FUNCTION pgbroker._filter_shapes_render();
+COMMENT ON TRIGGER _600_render ON pgbroker.filter_shape IS 'A new filter shape renders its table''s trigger functions again.';
+
+-- The view subscriptions gains its last column, filter (CREATE OR REPLACE
+-- VIEW keeps its grants; a column added at the end is allowed).
+CREATE OR REPLACE VIEW pgbroker.subscriptions AS
+SELECT c.name, c.client_id, w.relid::regclass AS "table",
+       CASE WHEN jsonb_typeof(s.row_key) NOT IN ('null', 'object') THEN s.row_key END AS key, s.subscribed_at,
+       -- A filter's points are keys that are JSON objects (350_filters.sql), which no row's key is.
+       CASE WHEN jsonb_typeof(s.row_key) = 'object' THEN s.row_key END AS filter
+  FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
+         WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
+                          OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
+        OFFSET 0) l  -- once per lease
+  JOIN pgbroker.client c ON c.name = l.name AND c.epoch = l.epoch
+  JOIN pgbroker.subscription s ON s.client_key = c.client_key
+  JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
+COMMENT ON COLUMN pgbroker.subscriptions.key IS 'The row key (jsonb), NULL for a whole-table subscription or one by filter.';
+COMMENT ON COLUMN pgbroker.subscriptions.filter IS 'For a subscription by filter: one point of the filter, a JSON object of column values ({"team": 7}; a filter with "in" has a row per value); NULL otherwise.';
+
+-- Last: the outbox's new columns (ACCESS EXCLUSIVE on the outbox, held to
+-- commit: writers of watched tables wait from here to the commit; nullable
+-- columns without a default rewrite nothing).  The watched tables' trigger
+-- functions need no new rendering: a table without filters renders as before.
+ALTER TABLE pgbroker.outbox ADD COLUMN left_clients text[], ADD COLUMN new_points jsonb[], ADD COLUMN old_points jsonb[];
+COMMENT ON COLUMN pgbroker.outbox.left_clients IS 'Those of the clients whose filters the row matched before the change (U) and none of whose subscriptions it matches after: the row left them. NULL: none.';
+COMMENT ON COLUMN pgbroker.outbox.new_points IS 'Rows whose clients are resolved when fetched, of a table with filters: the row''s filter points after the change (before it, for D).';
+COMMENT ON COLUMN pgbroker.outbox.old_points IS 'Same: the row''s filter points before an update (its clients that match none of the rest are told the row left).';
+-- Hand-written (end).

@@ -1,0 +1,313 @@
+"""Subscriptions by column value (filters, issue 43): who is told, move-in and move-out (``left``), both trigger
+modes, resolution at fetch, unsubscribe, the view, bad input and hostile column names."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections import Counter
+
+import psycopg
+import pytest
+from fanout_util import claim, drain, register, sqlstate, watch
+from psycopg.types.json import Jsonb
+
+TABLE = "public.tickets"
+
+
+def _setup(conn: psycopg.Connection, mode: str, clients: list[str]) -> None:
+    conn.execute(
+        "CREATE TABLE tickets (id integer PRIMARY KEY, team integer, status text, kind text, doc json, data jsonb)"
+    )
+    watch(conn, TABLE, mode)
+    claim(conn)
+    for c in clients:
+        register(conn, c)
+
+
+def subscribe(conn: psycopg.Connection, client: str, flt: object, table: str = TABLE) -> bool:
+    return conn.execute(
+        "SELECT pgbroker.subscribe(%s, %s::regclass, filter => %s)", (client, table, Jsonb(flt))
+    ).fetchone()[0]
+
+
+def unsubscribe(conn: psycopg.Connection, client: str, flt: object, table: str = TABLE) -> bool:
+    return conn.execute(
+        "SELECT pgbroker.unsubscribe(%s, %s::regclass, filter => %s)", (client, table, Jsonb(flt))
+    ).fetchone()[0]
+
+
+def told(conn: psycopg.Connection) -> list[tuple]:
+    """The outbox as (op, key, clients, left), in order."""
+    return [(r["op"], r["key"], tuple(sorted(r["clients"])), tuple(sorted(r["left"] or ()))) for r in drain(conn)]
+
+
+def test_equality_in_null_and_several_columns(connect, watch_mode):
+    conn = connect()
+    _setup(conn, watch_mode, ["team7", "open", "team7open", "nokind", "key1"])
+    assert subscribe(conn, "team7", {"team": 7})
+    assert subscribe(conn, "open", {"status": {"in": ["open", "pending"]}})
+    assert subscribe(conn, "team7open", {"team": "7", "status": {"eq": "open"}})  # "7" casts to the integer 7
+    assert subscribe(conn, "nokind", {"kind": None})
+    assert not subscribe(conn, "team7", {"team": {"in": [7]}})  # the same point: nothing new
+    conn.execute("SELECT pgbroker.subscribe('key1', %s::regclass, '1')", (TABLE,))
+
+    conn.execute("INSERT INTO tickets (id, team, status, kind) VALUES (1, 7, 'open', 'x'), (2, 8, 'closed', NULL)")
+    assert told(conn) == [
+        ("I", 1, ("key1", "open", "team7", "team7open"), ()),
+        ("I", 2, ("nokind",), ()),
+    ]
+    # Leaving team 7: team7 and team7open are told it left; open still matches.
+    conn.execute("UPDATE tickets SET team = 9 WHERE id = 1")
+    assert told(conn) == [("U", 1, ("key1", "open", "team7", "team7open"), ("team7", "team7open"))]
+    # Back into team 7 with another status: team7 told (moved in), open told it left.
+    conn.execute("UPDATE tickets SET team = 7, status = 'closed' WHERE id = 1")
+    assert told(conn) == [("U", 1, ("key1", "open", "team7"), ("open",))]
+    # Row 2 has no kind; once it has one, it left nokind; then no filter matches it, before or after: nothing.
+    conn.execute("UPDATE tickets SET status = 'done' WHERE id = 2")
+    conn.execute("UPDATE tickets SET kind = 'y' WHERE id = 2")
+    assert told(conn) == [("U", 2, ("nokind",), ()), ("U", 2, ("nokind",), ("nokind",))]
+    conn.execute("UPDATE tickets SET status = 'new' WHERE id = 2")
+    assert told(conn) == []
+    # A delete tells the clients whose filters matched the row (it is a D, not a departure).
+    conn.execute("DELETE FROM tickets")
+    assert told(conn) == [("D", 1, ("key1", "team7"), ())]
+    # A key change is a D of the old key and an I of the new one.
+    conn.execute("INSERT INTO tickets (id, team) VALUES (5, 7)")
+    assert told(conn)[0] == ("I", 5, ("nokind", "team7"), ())
+    conn.execute("UPDATE tickets SET id = 6 WHERE id = 5")
+    assert sorted(told(conn)) == [("D", 5, ("nokind", "team7"), ()), ("I", 6, ("nokind", "team7"), ())]
+
+
+def test_resolved_at_fetch_under_repeatable_read(connect, watch_mode):
+    conn, writer = connect(), connect()
+    _setup(conn, watch_mode, ["team7", "key1"])
+    subscribe(conn, "team7", {"team": 7})
+    conn.execute("INSERT INTO tickets (id, team) VALUES (1, 7), (2, 3)")
+    drain(conn)
+    with writer.transaction():
+        writer.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        writer.execute("UPDATE tickets SET team = 8 WHERE id = 1")
+        writer.execute("UPDATE tickets SET team = 7 WHERE id = 2")
+        writer.execute("UPDATE tickets SET status = 'x' WHERE id = 2")
+    assert conn.execute("SELECT count(*) FROM pgbroker.outbox WHERE clients IS NULL").fetchone()[0] == 3
+    assert told(conn) == [
+        ("U", 1, ("team7",), ("team7",)),
+        ("U", 2, ("team7",), ()),
+        ("U", 2, ("team7",), ()),
+    ]
+
+
+def test_unsubscribe_by_filter_and_the_view(connect, watch_mode):
+    conn = connect()
+    _setup(conn, watch_mode, ["a", "b"])
+    subscribe(conn, "a", {"status": {"in": ["open", "pending"]}, "team": 7})
+    subscribe(conn, "b", {"team": 7})
+    rows = conn.execute("SELECT client_id, key, filter FROM pgbroker.subscriptions ORDER BY 1, 3::text").fetchall()
+    assert rows == [
+        ("a", None, {"status": "open", "team": 7}),
+        ("a", None, {"status": "pending", "team": 7}),
+        ("b", None, {"team": 7}),
+    ]
+    assert unsubscribe(conn, "a", {"team": 7, "status": {"in": ["open", "pending"]}})
+    assert not unsubscribe(conn, "a", {"team": 7, "status": "open"})
+    conn.execute("INSERT INTO tickets (id, team, status) VALUES (1, 7, 'open')")
+    assert told(conn) == [("I", 1, ("b",), ())]
+    assert conn.execute("SELECT count(*) FROM pgbroker.interest WHERE clients @> '{a}'").fetchone()[0] == 0
+
+
+def test_subscribe_filters_in_bulk(connect, watch_mode):
+    conn = connect()
+    _setup(conn, watch_mode, [f"c{i}" for i in range(100)])
+    n = conn.execute(
+        "SELECT pgbroker.subscribe_filters(%s, %s::regclass, %s)",
+        ([f"c{i}" for i in range(100)], TABLE, [Jsonb({"team": i % 10}) for i in range(100)]),
+    ).fetchone()[0]
+    assert n == 100
+    conn.execute("INSERT INTO tickets (id, team) VALUES (1, 3)")
+    assert told(conn) == [("I", 1, tuple(sorted(f"c{i}" for i in range(3, 100, 10))), ())]
+
+
+BAD = [
+    ([], "22023"),
+    ("team", "22023"),
+    ({}, "22023"),
+    ({"nosuch": 1}, "42703"),
+    ({"Team": 1}, "42703"),
+    ({'team"; DROP TABLE tickets; --': 1}, "42703"),
+    ({"team": {"lt": 3}}, "22023"),
+    ({"team": {"gte": 1, "lt": 3}}, "22023"),
+    ({"team": {"like": "x"}}, "22023"),
+    ({"team": {"nope": 3}}, "22023"),
+    ({"team": {"in": []}}, "22023"),
+    ({"team": {"in": 3}}, "22023"),
+    ({"team": [1, 2]}, "22023"),
+    ({"team": "seven"}, "22P02"),
+    ({"team": 99999999999}, "22003"),
+    ({"doc": {"eq": {"a": 1}}}, "PB023"),
+    ({"team": {"in": list(range(40))}, "status": {"in": [str(i) for i in range(40)]}}, "54000"),
+]
+
+
+@pytest.mark.parametrize("flt, state", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_filters_are_refused_and_subscribe_nothing(connect, flt, state):
+    conn = connect()
+    _setup(conn, "statement", ["c"])
+    with pytest.raises(psycopg.Error) as exc:
+        subscribe(conn, "c", flt)
+    assert sqlstate(exc) == state, exc.value
+    assert "filter" in str(exc.value)
+    assert conn.execute("SELECT count(*) FROM pgbroker.subscription").fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM pgbroker.filter_shape").fetchone()[0] == 0
+    assert conn.execute("SELECT to_regclass('public.tickets')").fetchone()[0] == "tickets"
+
+
+def test_bulk_errors_name_the_filter(connect):
+    conn = connect()
+    _setup(conn, "statement", ["a", "b"])
+    with pytest.raises(psycopg.Error) as exc:
+        conn.execute(
+            "SELECT pgbroker.subscribe_filters(%s, %s::regclass, %s)",
+            (["a", "b"], TABLE, [Jsonb({"team": 1}), Jsonb({"team": "x"})]),
+        )
+    assert sqlstate(exc) == "22P02" and "filters[2]" in str(exc.value)
+    with pytest.raises(psycopg.Error) as exc:
+        conn.execute(
+            "SELECT pgbroker.subscribe_filters(%s, %s::regclass, %s)",
+            (["a", "nobody"], TABLE, [Jsonb({"team": 1}), Jsonb({"team": 2})]),
+        )
+    assert sqlstate(exc) == "PB010" and "client_ids[2]" in str(exc.value)
+    with pytest.raises(psycopg.Error) as exc:
+        conn.execute("SELECT pgbroker.subscribe('a', %s::regclass, '1', filter => '{\"team\": 1}')", (TABLE,))
+    assert sqlstate(exc) == "22023"
+
+
+def test_hostile_column_names_are_only_compared_with_the_catalog(connect, watch_mode):
+    conn = connect()
+    conn.execute('CREATE TABLE "we""ird" (id integer PRIMARY KEY, "a""b; DROP TABLE x --" integer, "A" text)')
+    conn.execute("CREATE TABLE x (i integer)")
+    watch(conn, 'public."we""ird"', watch_mode)
+    claim(conn)
+    register(conn, "c")
+    assert subscribe(conn, "c", {'a"b; DROP TABLE x --': 1, "A": "z"}, table='public."we""ird"')
+    conn.execute("INSERT INTO \"we\"\"ird\" VALUES (1, 1, 'z'), (2, 1, 'y')")
+    assert told(conn) == [("I", 1, ("c",), ())]
+    assert conn.execute("SELECT to_regclass('public.x')").fetchone()[0] == "x"
+
+
+def test_a_table_whose_key_is_one_jsonb_column_refuses_filters(connect):
+    conn = connect()
+    conn.execute("CREATE TABLE j (k jsonb PRIMARY KEY, v integer)")
+    watch(conn, "public.j")
+    claim(conn)
+    register(conn, "c")
+    with pytest.raises(psycopg.Error) as exc:
+        subscribe(conn, "c", {"v": 1}, table="public.j")
+    assert sqlstate(exc) == "PB023"
+
+
+@pytest.mark.slow
+def test_subscribe_by_filter_then_read_misses_no_change_under_hot_writers(connect, watch_mode):
+    """Gap-free: a client that subscribes by filter, then reads the table, is told of every change committed after
+    its read that its filter matched before or after, while writers move rows between filter values (the first
+    filter of each shape renders the triggers again under the writers)."""
+    admin, broker = connect("admin"), connect("broker")
+    admin.execute(
+        "CREATE TABLE hot (id integer PRIMARY KEY, g integer NOT NULL, h integer NOT NULL, v bigint NOT NULL)"
+    )
+    admin.execute("CREATE TABLE hot_log (seq bigserial PRIMARY KEY, row_id integer, g integer, h integer, v bigint)")
+    admin.execute("INSERT INTO hot SELECT i, i % 4, i % 2, 0 FROM generate_series(1, 12) i")
+    watch(admin, "public.hot", watch_mode)
+    claim(broker)
+    counter = itertools.count(1)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    commits = [0]
+
+    def writer(n: int) -> None:
+        rnd = random.Random(n)
+        try:
+            with connect(f"writer {n}", autocommit=False) as conn:
+                while not stop.is_set():
+                    row, g, h, v = rnd.randint(1, 12), rnd.randint(0, 3), rnd.randint(0, 1), next(counter)
+                    conn.execute("UPDATE hot SET g = %s, h = %s, v = %s WHERE id = %s", (g, h, v, row))
+                    conn.execute("INSERT INTO hot_log (row_id, g, h, v) VALUES (%s, %s, %s, %s)", (row, g, h, v))
+                    if rnd.random() < 0.5:
+                        time.sleep(rnd.random() * 0.003)
+                    conn.commit()
+                    commits[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    subs = []
+    rnd = random.Random(7)
+    try:
+        time.sleep(0.2)
+        deadline = time.monotonic() + 3.0
+        i = 0
+        while time.monotonic() < deadline:
+            client = f"c{i}"
+            gs = sorted(rnd.sample(range(4), rnd.randint(1, 2)))
+            flt: dict = {"g": {"in": gs}}
+            hs = None
+            if i % 3 == 1:  # a second shape
+                hs = rnd.randint(0, 1)
+                flt["h"] = hs
+            register(broker, client)
+            assert subscribe(broker, client, flt, table="public.hot") is True
+            seen = dict(broker.execute("SELECT id, v FROM hot"))
+            subs.append((client, gs, hs, seen))
+            i += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
+    assert len(subs) >= 10 and commits[0] >= 100, (len(subs), commits)
+    history: dict[int, list[tuple[int, int, int]]] = {r: [(r % 4, r % 2, 0)] for r in range(1, 13)}
+    for row, g, h, v in admin.execute("SELECT row_id, g, h, v FROM hot_log ORDER BY seq"):
+        history[row].append((g, h, v))
+    notes: Counter = Counter(
+        (c, key)
+        for key, c in broker.execute(
+            "SELECT f.key::integer, c FROM pgbroker.outbox_fetch('default', 1000000) f, unnest(f.clients) c"
+        )
+    )
+
+    def matches(g: int, h: int, gs: list[int], hs: int | None) -> bool:
+        return g in gs and (hs is None or h == hs)
+
+    total_due = 0
+    for client, gs, hs, seen in subs:
+        for row, versions in history.items():
+            at = [v for _, _, v in versions].index(seen[row])
+            due = sum(
+                1
+                for (g0, h0, _), (g1, h1, _) in itertools.pairwise(versions[at:])
+                if matches(g0, h0, gs, hs) or matches(g1, h1, gs, hs)
+            )
+            assert notes[(client, row)] >= due, (client, gs, hs, row, due, notes[(client, row)])
+            total_due += due
+    assert total_due > 0
+    print(f"subscriptions={len(subs)} commits={commits[0]} changes due={total_due}")
+
+
+def test_a_table_has_at_most_32_shapes(connect):
+    conn = connect()
+    columns = ", ".join(f"c{i} integer" for i in range(6))
+    conn.execute(f"CREATE TABLE wide (id integer PRIMARY KEY, {columns})")
+    watch(conn, "public.wide")
+    claim(conn)
+    register(conn, "c")
+    subsets = [s for n in (1, 2, 3) for s in itertools.combinations(range(6), n)]  # 6 + 15 + 20 shapes
+    for subset in subsets[:32]:
+        assert subscribe(conn, "c", {f"c{i}": 1 for i in subset}, table="public.wide")
+    with pytest.raises(psycopg.Error) as exc:
+        subscribe(conn, "c", {f"c{i}": 1 for i in subsets[32]}, table="public.wide")
+    assert sqlstate(exc) == "54000" and "32" in str(exc.value)
+    assert conn.execute("SELECT count(*) FROM pgbroker.filter_shape").fetchone()[0] == 32
