@@ -564,3 +564,4 @@ $function$;
 -- Hand-written (begin): last, the outbox's columns (its lock held to commit).
 ALTER TABLE pgbroker.outbox DROP COLUMN left_clients, DROP COLUMN new_points, DROP COLUMN old_points;
 -- Hand-written (end).
+DROP FUNCTION pgbroker._filter_encoder(oid,text[]);
