@@ -362,3 +362,78 @@ def test_churn_section_gives_ratios_cpu_per_call_and_the_targets(report, tmp_pat
     (out / "report.md").write_text("# pgbroker benchmark report\n")
     (out / report.CHURN_FILE).write_text(json.dumps(data))
     assert "## Churn (bench_churn.py)" in report.write_on_demand(out).read_text()
+
+
+def _filters_data(latency: bool = True) -> dict:
+    bench_filters = _bench("bench_filters")
+    sizes = ("1000", "10000", "100000")
+    cpu = {"1": (40.0, 42.0, 44.0), "10": (60.0, 62.0, 66.0), "100": (200.0, 210.0, 320.0)}
+    peer = {k: (300.0, 2_500.0, 25_000.0) for k in cpu}
+    data = {
+        "server": "15.18", "cpus": 2, "date": "2026-12-05 12:00 UTC", "commit": "abc1234",
+        "load_start": [1.0], "load_end": [1.5],
+        "no_match": {
+            "plain": {"updates_per_s": 2_000.0, "cpu_us_per_update": 100.0},
+            "filtered": {"updates_per_s": 1_900.0, "cpu_us_per_update": 105.0},
+            "throughput_ratio": 0.95, "cpu_ratio": 1.05, "subscriptions": 100_000, "values": 10_000, "updates": 5_000,
+            "bulk": {"filters": 100_000, "s": 1.25, "filters_per_s": 80_000.0},
+        },
+        "by_size": {
+            "pgbroker": {k: {n: {"cpu_us": c, "ms": 1.0} for n, c in zip(sizes, v, strict=True)}
+                         for k, v in cpu.items()},
+            "peer": {k: {n: {"cpu_us": c, "ms": 9.0} for n, c in zip(sizes, v, strict=True)} for k, v in peer.items()},
+            "subscriptions": {n: int(n) for n in sizes},
+        },
+        "settings": {"scale": 1.0, "updates": 5_000, "subscriptions": 100_000, "values": 10_000,
+                     "sizes": [1_000, 10_000, 100_000], "ks": [1, 10, 100], "batch": 10_000},
+    }  # fmt: skip
+    if latency:
+        data["latency"] = {
+            "changes": 4_000, "period_ms": 5.0, "subscriptions": 100_000, "values": 10_000, "filter": {"team": 7},
+            "in": {"n": 2_000, "p50_ms": 1.5, "p99_ms": 4.25, "max_ms": 9.0},
+            "out": {"n": 2_000, "p50_ms": 1.75, "p99_ms": 12.5, "max_ms": 30.0},
+            "all": {"n": 4_000, "p50_ms": 1.6, "p99_ms": 8.0, "max_ms": 30.0},
+            "negative": 0, "load_start": [0.5], "load_end": [0.75],
+        }  # fmt: skip
+    data["verdicts"] = bench_filters.verdicts(data)
+    return data
+
+
+def test_filters_section_gives_the_targets_no_match_by_size_bulk_and_latency(report, tmp_path):
+    data = _filters_data()
+    text = report.filters_markdown(data)
+    assert text.startswith("## Filters (issue 43, bench_filters.py)")
+    assert "scaled run" not in text
+    assert "| no-match UPDATE throughput, filtered / plain | 0.950 | >= 0.9 | met |" in text
+    assert "| bulk filter subscription, filters/s | 80,000 | >= 50,000 | met |" in text
+    assert "| k=100: CPU per UPDATE at 100,000 / at 1,000 subscriptions | 1.600 | <= 1.5 | MISSED |" in text
+    assert "| commit to Broker.notifications(), row moving in, p99 (ms) | 4.250 | <= 10 | met |" in text
+    assert "| commit to Broker.notifications(), row moving out, p99 (ms) | 12.500 | <= 10 | MISSED |" in text
+    assert text.count("MISSED") == 2
+    assert "| plain, no filter subscriptions | 2,000/s | 100.0 us |" in text
+    assert "| filtered, 100,000 on 10,000 values | 1,900/s | 105.0 us |" in text
+    assert "| filtered / plain | 0.95x | 1.05x |" in text
+    assert "| k | pgbroker, 1,000 | pgbroker, 10,000 | pgbroker, 100,000 | pgbroker, 100,000 / 1,000 |" in text
+    assert "| 100 | 200 us | 210 us | 320 us | 1.60x | 300 us | 2,500 us | 25,000 us |" in text
+    assert "`subscribe_filters` of 100,000 filters in batches of 10,000" in text and "80,000 filters/s" in text
+    assert '(`{"team": 7}`)' in text
+    assert "| row moving out | 2,000 | 1.75 ms | 12.50 ms | 30.00 ms |" in text
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("# pgbroker benchmark report\n")
+    (out / report.CHURN_FILE).write_text(json.dumps(_churn_data()))
+    (out / report.FILTERS_FILE).write_text(json.dumps(data))
+    written = report.write_on_demand(out).read_text()
+    assert written.index("## Churn (bench_churn.py)") < written.index("## Filters (issue 43, bench_filters.py)")
+    assert report.write_on_demand(out).read_text() == written  # rewriting again changes nothing
+
+
+def test_filters_section_of_a_scaled_run_and_of_one_without_the_latency(report):
+    data = _filters_data(latency=False)
+    assert not any("Broker.notifications()" in v["name"] for v in data["verdicts"])
+    data["settings"]["scale"] = 0.01
+    data["by_size"]["subscriptions"] = {"1000": 121, "10000": 121, "100000": 1_000}
+    text = report.filters_markdown(data)
+    assert "A scaled run (--scale 0.01, --updates 5000)" in text
+    assert "| k | pgbroker, 1,000 (121) | pgbroker, 10,000 (121) | pgbroker, 100,000 (1,000) |" in text
+    assert "Delivery:" not in text and "| change |" not in text

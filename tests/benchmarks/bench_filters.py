@@ -22,12 +22,26 @@ c) bulk filter subscription: ``subscribe_filters`` of 100,000 filters in
 d) the peer design, beside (b): a trigger that evaluates every filter
    subscription row by row for each changed row (what Supabase Realtime's
    WALRUS does per change), at 1,000, 10,000 and 100,000 subscriptions:
-   its CPU per UPDATE grows with the number of subscriptions.
+   its CPU per UPDATE grows with the number of subscriptions;
+e) delivery latency: a Python ``pgbroker.Broker`` (its defaults) with one
+   client subscribed by filter (``{"team": 7}``), beside 100,000 filter
+   subscriptions of other clients on 10,000 other values, consumes
+   ``Broker.notifications()`` in a thread while a writer in this process
+   moves rows into the filter (``team = 7``) and out of it (``team = 8``,
+   delivered with the client in ``left``), one autocommit UPDATE every 5 ms,
+   4,000 changes (half in, half out).  Latency: from the writer's commit
+   returning to the batch that carries the change reaching the handler
+   (``time.perf_counter`` in both threads, as bench_fanout.py's part 3
+   does), p50 / p99 / max for each direction.  Target: p99 at most 10 ms
+   each.  Run first, on the freshly started server, so that nothing of the
+   other parts (autovacuum after their deletes) runs beside it.
 
-A broker session holds the lease, awake (``broker_wake``), and acknowledges
-the outbox between rounds, so writers pay no NOTIFY.  ``--scale`` multiplies
-every size (``--scale 0.01 --updates 50``: a smoke run of a few seconds).
-Writes the figures to ``--out`` (JSON).
+(a) to (d): a broker session holds the lease, awake (``broker_wake``), and
+acknowledges the outbox between rounds, so writers pay no NOTIFY.
+``--scale`` multiplies every size and the number of changes of (e) (at least
+100) (``--scale 0.01 --updates 50``: a smoke run of a few seconds).  Writes
+the figures to ``--out`` (JSON), which ``report.py --on-demand`` turns into
+the report's "Filters" section.
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,9 +61,14 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the checkout importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import psycopg  # noqa: E402
+if str(Path(__file__).resolve().parent) not in sys.path:  # bench_fanout, imported from any directory
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pgbroker import install  # noqa: E402
+import psycopg  # noqa: E402
+from bench_fanout import _percentile  # noqa: E402
+
+from pgbroker import Broker, install  # noqa: E402
+from pgbroker._core import SUBSCRIBE_FILTERS_SQL, subscribe_filters_params  # noqa: E402
 from pgbroker._embedded import EmbeddedPostgres  # noqa: E402
 
 DURABLE = (
@@ -64,7 +84,11 @@ SIZES = (1_000, 10_000, 100_000)
 KS = (1, 10, 100)
 ROUNDS = 5
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "filters.json"
-TARGETS = {"throughput_ratio": 0.9, "cpu_ratio": 1.1, "size_ratio": 1.5, "bulk_per_s": 50_000}
+LATENCY_LEASE = "filters_latency"  # a lease of its own: nothing of the other parts for its sweeper
+LATENCY_CHANGES = 4_000  # UPDATEs of (e) at scale 1, half moving a row into the filter, half out of it
+LATENCY_PERIOD = 0.005  # seconds between the writer's UPDATEs
+LATENCY_TEAM, LATENCY_OTHER = 7, 8  # the watched client's filter value; where a row goes when it leaves
+TARGETS = {"throughput_ratio": 0.9, "cpu_ratio": 1.1, "size_ratio": 1.5, "bulk_per_s": 50_000, "latency_p99_ms": 10.0}
 
 
 def _cpu_s(pid: int) -> float:
@@ -89,14 +113,11 @@ def _register(broker: psycopg.Connection, ids: list[str]) -> None:
 
 
 def _subscribe(broker: psycopg.Connection, table: str, pairs: list[tuple[str, dict]]) -> float:
-    """subscribe_filters in batches; returns the seconds it took."""
+    """subscribe_filters in batches, as Broker.subscribe_filters() calls it; returns the seconds it took."""
     t = time.perf_counter()
     for s in range(0, len(pairs), BATCH):
-        batch = pairs[s : s + BATCH]
-        broker.execute(
-            "SELECT pgbroker.subscribe_filters(%s::text[], %s::regclass, %s::jsonb[], name => %s)",
-            ([c for c, _ in batch], f"bench.{table}", [json.dumps(f) for _, f in batch], LEASE),
-        )
+        params = subscribe_filters_params(LEASE, f"bench.{table}", pairs[s : s + BATCH], None)
+        broker.execute(SUBSCRIBE_FILTERS_SQL, {**params, "epoch": None})
     return time.perf_counter() - t
 
 
@@ -157,6 +178,90 @@ def no_match(url: str, scale: float, updates: int) -> dict[str, Any]:
     return out
 
 
+def latency(url: str, scale: float) -> dict[str, Any]:
+    """(e) Commit to ``Broker.notifications()`` for rows moving into and out of a client's filter."""
+    subs, values = int(SUBSCRIPTIONS * scale), max(1, int(VALUES * scale))
+    changes = max(100, int(LATENCY_CHANGES * scale)) // 2 * 2
+    pairs_n = changes // 2  # row i moves in (change 2i), then out (change 2i + 1): (key, way) names one change
+    watcher = "watcher"
+    committed: dict[tuple[int, str], float] = {}
+    seen: dict[tuple[int, str], float] = {}
+    errors: list[BaseException] = []
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute("CREATE SCHEMA bench")
+        _table(admin, "lat", pairs_n)
+    table = "bench.lat"
+    with Broker(url, name=LATENCY_LEASE) as broker:
+        broker.register(watcher)
+        assert broker.subscribe(watcher, table, filter={"team": LATENCY_TEAM})
+        others = [f"o{i}" for i in range(max(1, subs // 10))]
+        broker.register_many(others)
+        # The others: other values (1000 and up), as in (a); neither 0, 7 nor 8 is one of them.
+        broker.subscribe_filters(
+            ((others[i % len(others)], {"team": 1000 + i % values}) for i in range(subs)), table, batch_size=BATCH
+        )
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute("ANALYZE pgbroker.interest")
+            admin.execute(f"ANALYZE {table}")
+            admin.execute("CHECKPOINT")
+        stop = threading.Event()
+
+        def consume() -> None:
+            try:
+                for batch in broker.notifications():
+                    now = time.perf_counter()
+                    for n in batch:
+                        if n.table == table and n.op == "U" and watcher in n.clients:
+                            seen.setdefault((int(n.key), "out" if watcher in n.left else "in"), now)
+                    if stop.is_set() or len(seen) >= changes:
+                        break
+            except BaseException as exc:  # reported below (not the end of a loop given up on: close() ends it)
+                if not stop.is_set():
+                    errors.append(exc)
+
+        thread = threading.Thread(target=consume, name="filters-latency", daemon=True)
+        thread.start()
+        time.sleep(0.5)  # the loop is listening, and asleep: the first change wakes it as any later one
+        load_start = os.getloadavg()
+        with psycopg.connect(url, autocommit=True) as writer:
+            writer.execute(f"UPDATE {table} SET v = v + 1 WHERE id = 0")  # no row: plans cached
+            next_at = time.perf_counter()
+            for i in range(changes):
+                key, way = 1 + i // 2, "in" if i % 2 == 0 else "out"
+                team = LATENCY_TEAM if way == "in" else LATENCY_OTHER
+                writer.execute(f"UPDATE {table} SET team = %s, v = v + 1 WHERE id = %s", (team, key))
+                committed[(key, way)] = time.perf_counter()
+                next_at = max(next_at + LATENCY_PERIOD, time.perf_counter())
+                time.sleep(max(0.0, next_at - time.perf_counter()))
+        deadline = time.monotonic() + 10
+        while len(seen) < changes and not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        load_end = os.getloadavg()
+        stop.set()
+        thread.join(2)  # the loop stops at its next batch; closing the broker ends a wait for one
+        if not thread.is_alive():  # the last batch, not acknowledged by a loop that stopped: (a) counts the outbox
+            while batch := broker.fetch(1000):
+                broker.ack([n.id for n in batch])
+    thread.join(5)
+    if errors:
+        raise RuntimeError("Broker.notifications() failed") from errors[0]
+    if len(seen) < changes:
+        missing = sorted(set(committed) - set(seen))[:5]
+        raise RuntimeError(f"latency: Broker.notifications() saw {len(seen)} of {changes} changes, missing {missing}")
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute("DROP SCHEMA bench CASCADE")
+    out: dict[str, Any] = {"changes": changes, "period_ms": LATENCY_PERIOD * 1000, "subscriptions": subs,
+                           "values": values, "filter": {"team": LATENCY_TEAM}}  # fmt: skip
+    ms = {k: (seen[k] - t) * 1000 for k, t in committed.items()}
+    for way in ("in", "out", "all"):
+        samples = [v for (_key, w), v in ms.items() if way in ("all", w)]
+        out[way] = {"n": len(samples), "p50_ms": _percentile(samples, 0.5), "p99_ms": _percentile(samples, 0.99),
+                    "max_ms": max(samples)}  # fmt: skip
+    out["negative"] = sum(1 for v in ms.values() if v < 0)  # the handler ran before the commit call returned
+    out["load_start"], out["load_end"] = load_start, load_end
+    return out
+
+
 PEER_SQL = """
 CREATE TABLE bench.peer_sub (client_id text NOT NULL, col text NOT NULL, val text NOT NULL);
 CREATE UNLOGGED TABLE bench.peer_out (client_id text, row_key integer, op text);
@@ -185,6 +290,7 @@ def by_size(url: str, scale: float, updates: int) -> dict[str, Any]:
         broker.execute("SELECT pgbroker.broker_wake(%s)", (LEASE,))
         for size in SIZES:
             n_subs = max(sum(KS) + 10, int(size * scale))
+            out.setdefault("subscriptions", {})[str(size)] = n_subs
             admin.execute("DROP SCHEMA IF EXISTS bench CASCADE")
             admin.execute("CREATE SCHEMA bench")
             _table(admin, "t", 1000)
@@ -229,6 +335,7 @@ def by_size(url: str, scale: float, updates: int) -> dict[str, Any]:
 
 
 def verdicts(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of the issue: name, value, target, how (">=" or "<="), met."""
     a = data["no_match"]
     out = [
         ("no-match UPDATE throughput, filtered / plain", a["throughput_ratio"], TARGETS["throughput_ratio"], ">="),
@@ -238,8 +345,14 @@ def verdicts(data: dict[str, Any]) -> list[dict[str, Any]]:
     small, large = str(SIZES[0]), str(SIZES[-1])
     for k, by in data["by_size"]["pgbroker"].items():
         ratio = by[large]["cpu_us"] / max(by[small]["cpu_us"], 1e-9)
-        out.append((f"k={k}: CPU per UPDATE at {large} / at {small} subscriptions", ratio, TARGETS["size_ratio"], "<="))
-    return [{"name": n, "value": v, "target": t, "met": v >= t if how == ">=" else v <= t} for n, v, t, how in out]
+        out.append((f"k={k}: CPU per UPDATE at {int(large):,} / at {int(small):,} subscriptions", ratio,
+                    TARGETS["size_ratio"], "<="))  # fmt: skip
+    if "latency" in data:
+        for way in ("in", "out"):
+            out.append((f"commit to Broker.notifications(), row moving {way}, p99 (ms)",
+                        data["latency"][way]["p99_ms"], TARGETS["latency_p99_ms"], "<="))  # fmt: skip
+    return [{"name": n, "value": v, "target": t, "how": how, "met": v >= t if how == ">=" else v <= t}
+            for n, v, t, how in out]  # fmt: skip
 
 
 def run(scale: float, updates: int) -> dict[str, Any]:
@@ -250,12 +363,15 @@ def run(scale: float, updates: int) -> dict[str, Any]:
         url = server.url_for("filters")
         install.migrate(url)
         data: dict[str, Any] = {"server": version, "cpus": os.cpu_count(), "load_start": os.getloadavg()}
+        data["latency"] = latency(url, scale)  # first: nothing of the other parts runs beside it
+        print("latency:", data["latency"], flush=True)
         data["no_match"] = no_match(url, scale, updates)
         print("no match:", data["no_match"], flush=True)
         data["by_size"] = by_size(url, scale, updates)
     data["load_end"] = os.getloadavg()
     data["settings"] = {"scale": scale, "updates": updates, "subscriptions": SUBSCRIPTIONS, "values": VALUES,
-                        "sizes": SIZES, "ks": KS}  # fmt: skip
+                        "sizes": SIZES, "ks": KS, "batch": BATCH, "latency_changes": LATENCY_CHANGES,
+                        "latency_period_ms": LATENCY_PERIOD * 1000}  # fmt: skip
     data["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         data["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -33,8 +33,10 @@ from the JSON files they leave in DIR: ``endurance*.json``
 ``--in-memory``), each with its plot (the same name in ``.png``: throughput
 per part, pgbroker's size and the broker's memory, minute by minute), and
 ``installs.json`` (``bench_installs.py``: the same calls on a superuser, a
-least-privilege and an earlier revision's install).  ``--on-demand`` rewrites
-only those sections of an existing ``report.md``, running nothing.
+least-privilege and an earlier revision's install), ``churn.json``
+(``bench_churn.py``: client churn at size, issue 45) and ``filters.json``
+(``bench_filters.py``: subscriptions by filter, issue 43).  ``--on-demand``
+rewrites only those sections of an existing ``report.md``, running nothing.
 
 The ratios carry the claims; absolute times move with the machine's load.
 ``--quick`` shortens the fan-out, primitives and scale runs (noisier; the scale
@@ -63,7 +65,8 @@ DEFAULT_OUT = REPO / "tests" / "benchmarks" / "results"
 ENDURANCE_FILE = "endurance.json"  # written by bench_endurance.py (endurance_no_data.json with --no-data)
 INSTALLS_FILE = "installs.json"  # written by bench_installs.py
 CHURN_FILE = "churn.json"  # written by bench_churn.py
-ON_DEMAND_HEADINGS = ("## Endurance", "## Installs", "## Churn")  # the sections write_on_demand rewrites
+FILTERS_FILE = "filters.json"  # written by bench_filters.py
+ON_DEMAND_HEADINGS = ("## Endurance", "## Installs", "## Churn", "## Filters")  # what write_on_demand rewrites
 INSTALL_HINT = "matplotlib is needed for the plots: python3 -m pip install -e '.[bench]' (or: pip install matplotlib)"
 
 RATIO_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)x\s*$")
@@ -768,6 +771,116 @@ def churn_markdown(data: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _figure(value: float) -> str:
+    """A verdict's value: whole with thousands separators from 1,000 up, three decimals below."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3f}"
+
+
+def filters_markdown(data: dict[str, Any]) -> str:
+    """The filters section (issue 43): the targets of bench_filters.verdicts, the UPDATE matching no filter against
+    the same UPDATE with none, the CPU per UPDATE matching k subscriptions at each size beside the peer design, the
+    bulk subscription rate, and the commit-to-Broker.notifications() latency of rows moving into and out of a
+    filter (when the run has it)."""
+    import json
+
+    s = data["settings"]
+    a, b = data["no_match"], data["by_size"]
+    scale = s.get("scale", 1.0)
+    out = [
+        "## Filters (issue 43, bench_filters.py)",
+        "",
+        f"PostgreSQL {data.get('server', '?')}, {data.get('cpus', '?')} CPUs, {data.get('date', '?')}"
+        + (f", commit {data['commit']}" if "commit" in data else "")
+        + f"; load average {data['load_start'][0]:.2f} at the start and {data['load_end'][0]:.2f} at the end."
+        + (
+            f" A scaled run (--scale {scale:g}, --updates {s.get('updates', '?')}): its sizes are that fraction of"
+            " the issue's (in parentheses where a name or a heading gives the issue's), and its figures are not the"
+            " issue's."
+            if scale != 1.0
+            else ""
+        ),
+        "",
+        "| measure | value | target | met |",
+        "|---|---|---|---|",
+    ]
+    for v in data["verdicts"]:
+        target = f"{v.get('how', '')} {v['target']:,g}".strip()
+        out.append(f"| {v['name']} | {_figure(v['value'])} | {target} | {'met' if v['met'] else 'MISSED'} |")
+    out += [
+        "",
+        f"A single-row autocommit UPDATE of a row matching no filter, {a['updates']:,} on each table in alternating"
+        f" rounds: a table with {a['subscriptions']:,} filter subscriptions on {a['values']:,} values of `team` against"
+        " its twin with none (both watched); throughput, and the writing backend's CPU per UPDATE (/proc):",
+        "",
+        "| table | updates/s | CPU per UPDATE |",
+        "|---|---|---|",
+        f"| plain, no filter subscriptions | {a['plain']['updates_per_s']:,.0f}/s"
+        f" | {a['plain']['cpu_us_per_update']:,.1f} us |",
+        f"| filtered, {a['subscriptions']:,} on {a['values']:,} values | {a['filtered']['updates_per_s']:,.0f}/s"
+        f" | {a['filtered']['cpu_us_per_update']:,.1f} us |",
+        f"| filtered / plain | {a['throughput_ratio']:.2f}x | {a['cpu_ratio']:.2f}x |",
+    ]
+    ks = sorted(b["pgbroker"], key=int)
+    sizes = sorted(b["pgbroker"][ks[0]], key=int)
+    real = b.get("subscriptions", {})  # this run's number at each of the issue's sizes (a scaled run's differ)
+
+    def head(size: str) -> str:
+        n = real.get(size, int(size))
+        return f"{int(size):,}" + (f" ({n:,})" if n != int(size) else "")
+
+    small, large = sizes[0], sizes[-1]
+    out += [
+        "",
+        "CPU per UPDATE (the writing backend's, us) of a row that k filter subscriptions match, among the number in"
+        " all that heads each column, pgbroker beside the peer design (a trigger that evaluates every subscription"
+        " row by row for each changed row, as Supabase Realtime's WALRUS does):",
+        "",
+        "| k | "
+        + " | ".join(f"pgbroker, {head(n)}" for n in sizes)
+        + f" | pgbroker, {int(large):,} / {int(small):,} | "
+        + " | ".join(f"peer, {head(n)}" for n in sizes)
+        + " |",
+        "|---|" + "---|" * (2 * len(sizes) + 1),
+    ]
+    for k in ks:
+        ours, peer = b["pgbroker"][k], b["peer"][k]
+        ratio = ours[large]["cpu_us"] / max(ours[small]["cpu_us"], 1e-9)
+        out.append(
+            f"| {k} | "
+            + " | ".join(f"{ours[n]['cpu_us']:,.0f} us" for n in sizes)
+            + f" | {ratio:.2f}x | "
+            + " | ".join(f"{peer[n]['cpu_us']:,.0f} us" for n in sizes)
+            + " |"
+        )
+    bulk = a["bulk"]
+    out += [
+        "",
+        f"Bulk: `subscribe_filters` of {bulk['filters']:,} filters in batches of {s.get('batch', 10_000):,}, the"
+        f" clients registered first: {bulk['s']:.2f} s, {bulk['filters_per_s']:,.0f} filters/s.",
+    ]
+    lat = data.get("latency")
+    if lat is not None:
+        out += [
+            "",
+            "Delivery: a Python `Broker` (its defaults) with one client subscribed by filter"
+            f" (`{json.dumps(lat['filter'])}`),"
+            f" beside {lat['subscriptions']:,} filter subscriptions of other clients on {lat['values']:,} other values,"
+            " consumes `Broker.notifications()` in a thread while a writer in the same process moves rows into the"
+            " filter and out of it (delivered with the client in `left`), an autocommit UPDATE every"
+            f" {lat['period_ms']:g} ms, {lat['changes']:,} changes; the latency runs from the writer's commit returning"
+            f" to the batch reaching the handler. Load average {lat['load_start'][0]:.2f} at its start and"
+            f" {lat['load_end'][0]:.2f} at its end; {lat['negative']} samples negative (the handler ran before the"
+            " commit call returned).",
+            "",
+            "| change | n | p50 | p99 | max |",
+            "|---|---|---|---|---|",
+        ]
+        for way, label in (("in", "row moving in"), ("out", "row moving out"), ("all", "all")):
+            x = lat[way]
+            out.append(f"| {label} | {x['n']:,} | {x['p50_ms']:.2f} ms | {x['p99_ms']:.2f} ms | {x['max_ms']:.2f} ms |")
+    return "\n".join(out) + "\n"
+
+
 def on_demand_markdown(out: Path) -> str:
     """The sections of the on-demand runs whose JSON files are in out (empty when none is)."""
     parts = [endurance_markdown(data, plot_endurance(data, out, stem)) for stem, data in load_endurance(out)]
@@ -775,6 +888,8 @@ def on_demand_markdown(out: Path) -> str:
         parts.append(installs_markdown(_load(out / INSTALLS_FILE)))
     if (out / CHURN_FILE).exists():
         parts.append(churn_markdown(_load(out / CHURN_FILE)))
+    if (out / FILTERS_FILE).exists():
+        parts.append(filters_markdown(_load(out / FILTERS_FILE)))
     return "".join("\n" + p for p in parts)
 
 
