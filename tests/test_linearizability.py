@@ -402,12 +402,16 @@ WORKLOADS = {
 # Faults
 
 
-def killer(url: str, history: History, registry: Registry, stop: threading.Event, seed: int) -> None:
-    """Terminate a random client's session every 50-250 ms; the op ends when its pid is gone."""
+KILLS = 3  # at least, per run with faults "kills": the clients go on past MAX_OPS until then
+
+
+def killer(url: str, history: History, registry: Registry, stop: threading.Event, seed: int, kills: list[int]) -> None:
+    """Terminate a random client's session every 50-250 ms (the first KILLS within 10-50 ms each: a fast
+    workload may be done in half a second); the op ends when its pid is gone; ``kills[0]`` counts them."""
     rng = random.Random(seed)
     rec = history.recorder("killer")
     with psycopg.connect(url, autocommit=True) as admin:
-        while not stop.wait(rng.uniform(0.05, 0.25)):
+        while not stop.wait(rng.uniform(0.01, 0.05) if kills[0] < KILLS else rng.uniform(0.05, 0.25)):
             live = list(registry.sessions.values())
             if not live:
                 continue
@@ -422,6 +426,7 @@ def killer(url: str, history: History, registry: Registry, stop: threading.Event
                 ).fetchone():
                     time.sleep(0.001)
                 call.ok(output=None)
+            kills[0] += 1
     rec.close()
 
 
@@ -458,12 +463,13 @@ def run(
     errors: list[BaseException] = []
 
     done = [0]  # operations so far, all clients (approximate: a trigger only)
+    kills = [KILLS if faults != "kills" else 0]  # sessions the killer ended
     started = time.monotonic()
 
     def client_loop(c: Client) -> None:
         try:
             n = 0
-            while not stop.is_set() and n < MAX_OPS:
+            while not stop.is_set() and (n < MAX_OPS or kills[0] < KILLS):
                 if c.connected():
                     workload.step(c, n)
                     n += 1
@@ -476,7 +482,7 @@ def run(
 
     threads = [threading.Thread(target=client_loop, args=(c,), daemon=True) for c in clients]
     if faults == "kills":
-        threads.append(threading.Thread(target=killer, args=(url, history, registry, stop, 7), daemon=True))
+        threads.append(threading.Thread(target=killer, args=(url, history, registry, stop, 7, kills), daemon=True))
     crash = None
     if faults == "restart":
         third = CLIENTS * MAX_OPS // 3
@@ -525,7 +531,7 @@ def test_linearizable(server: EmbeddedPostgres, db_url: str, tmp_path: Path, nam
     if name in ("mutex_try", "mutex_wait", "shared_lock", "semaphore", "lease", "kv"):
         assert any(out in (False, None, "held") for out in outputs), "no call ever lost a race"
     if faults == "kills":
-        assert sum(o.client == "killer" for o in ops) >= 3
+        assert sum(o.client == "killer" for o in ops) >= KILLS
     else:
         assert [o.kind for o in ops if o.kind == "crash"] == ["crash"]
         assert len({o.session.rpartition("@")[2] for o in ops if o.kind not in ("crash", "end_session")}) == 2

@@ -1,5 +1,5 @@
 -- pgbroker_0003_registry_at_size: registry at size.
--- Drafted by migrations/new_revision.py from sql/; review it, then complete the TODOs.
+-- Drafted by migrations/new_revision.py from sql/, then reviewed: function definitions only, no hand-written blocks.
 
 CREATE OR REPLACE FUNCTION pgbroker._interest_shrink(p_watch_ids integer[], p_row_keys jsonb[], p_names text[], p_epochs bigint[], p_client_ids text[])
  RETURNS void
