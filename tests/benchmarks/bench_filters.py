@@ -103,6 +103,12 @@ def _pid(conn: psycopg.Connection) -> int:
     return conn.execute("SELECT pg_backend_pid()").fetchone()[0]
 
 
+def _value(i: int, clients: int, values: int) -> int:
+    """The value of filter ``i`` of ``clients`` clients (client ``i % clients``, its filter ``i // clients``) on
+    ``values`` values: each client's filters on values of their own, each value shared by as many clients."""
+    return (i % clients + i // clients * max(1, values // 10)) % values
+
+
 def _table(admin: psycopg.Connection, name: str, rows: int) -> None:
     admin.execute(f"CREATE TABLE bench.{name} (id integer PRIMARY KEY, team integer NOT NULL, v integer NOT NULL)")
     admin.execute(f"INSERT INTO bench.{name} SELECT i, 0, 0 FROM generate_series(1, {rows}) i")
@@ -153,7 +159,7 @@ def no_match(url: str, scale: float, updates: int) -> dict[str, Any]:
         broker.execute("SELECT pgbroker.broker_wake(%s)", (LEASE,))
         ids = [f"c{i}" for i in range(subs // 10)]
         _register(broker, ids)
-        pairs = [(ids[i % len(ids)], {"team": 1 + i % values}) for i in range(subs)]  # team 0: nobody's
+        pairs = [(ids[i % len(ids)], {"team": 1 + _value(i, len(ids), values)}) for i in range(subs)]  # 0: nobody's
         bulk_s = _subscribe(broker, "filtered", pairs)
         admin.execute("ANALYZE pgbroker.interest")
         per_round = max(1, updates // ROUNDS)
@@ -201,7 +207,9 @@ def latency(url: str, scale: float) -> dict[str, Any]:
         broker.register_many(others)
         # The others: other values (1000 and up), as in (a); neither 0, 7 nor 8 is one of them.
         broker.subscribe_filters(
-            ((others[i % len(others)], {"team": 1000 + i % values}) for i in range(subs)), table, batch_size=BATCH
+            ((others[i % len(others)], {"team": 1000 + _value(i, len(others), values)}) for i in range(subs)),
+            table,
+            batch_size=BATCH,
         )
         with psycopg.connect(url, autocommit=True) as admin:
             admin.execute("ANALYZE pgbroker.interest")
