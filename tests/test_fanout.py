@@ -203,6 +203,43 @@ def test_unregister_drops_subscriptions_and_interest(connect, watch_mode):
     assert summary(drain(broker)) == [("U", 1, ["name"], ("c2",))]
 
 
+@pytest.mark.parametrize("first", ["subscribe", "unregister"])
+def test_two_sessions_changing_one_interest_row_keep_both_changes(connect, first):
+    """One broker, two sessions (a pool): one subscribes a client to key 1 or unregisters one of its clients in an
+    open transaction; the other, meanwhile, unregisters (or subscribes) another client of that key, and waits for
+    the row.  Each change is applied to the row as the other left it: nothing lost, nothing brought back."""
+    one, two, writer = connect("broker"), connect("broker"), connect("writer")
+    epoch = claim(one)
+    seed_objects(writer, [1])
+    for client in ("c1", "c2", "c3", "x"):
+        register(one, client)
+    for client in ("c1", "c2", "c3"):
+        subscribe(one, client, key=1)
+    one.execute("BEGIN")
+    if first == "subscribe":
+        subscribe(one, "x", key=1)
+        expected = {"c1", "c3", "x"}
+    else:
+        unregister(one, "c1")
+        expected = {"c3"}
+    done = threading.Event()
+
+    def other() -> None:
+        unregister(two, "c2", epoch=epoch)
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert not done.wait(0.3), "the other session did not wait for the row"
+    one.execute("COMMIT")
+    thread.join(10)
+    assert done.is_set()
+    (clients,) = writer.execute("SELECT clients FROM pgbroker.interest WHERE row_key = '1'").fetchone()
+    assert sorted(clients) == sorted(expected)
+    writer.execute("UPDATE initech.objects SET name = 'y' WHERE id = 1")
+    assert summary(drain(one)) == [("U", 1, ["name"], tuple(sorted(expected)))]
+
+
 def test_the_outbox_readers_use_its_indexes_whatever_its_statistics_say(connect, watch_mode):
     """A vacuum of a drained outbox leaves statistics of a few rows on many pages, on which the planner picks a
     sequential scan for the ack (it did, and the indexes bloated): outbox_fetch, outbox_ack and broker_sleep

@@ -565,3 +565,44 @@ $function$;
 ALTER TABLE pgbroker.outbox DROP COLUMN left_clients, DROP COLUMN new_points, DROP COLUMN old_points;
 -- Hand-written (end).
 DROP FUNCTION pgbroker._filter_encoder(oid,text[]);
+CREATE OR REPLACE FUNCTION pgbroker._interest_shrink(p_watch_ids integer[], p_row_keys jsonb[], p_names text[], p_epochs bigint[], p_client_ids text[])
+ RETURNS void
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_rows tid[];
+    v_clients text[];  -- each row's clients left, as the text of a text[] (an array of arrays cannot be ragged)
+BEGIN
+    SELECT array_agg(x.row_ctid), array_agg(x.clients::text)
+      INTO v_rows, v_clients
+      FROM (SELECT u.watch_id, u.row_key, u.name, u.epoch, array_agg(u.client_id) AS gone
+              FROM unnest(p_watch_ids, p_row_keys, p_names, p_epochs, p_client_ids)
+                   AS u(watch_id, row_key, name, epoch, client_id)
+             -- (jsonb compares slowly: sorting 100,000 keys took 0.4 s; their hashes first, the keys on a tie)
+             GROUP BY u.watch_id, jsonb_hash(u.row_key), u.row_key, u.name, u.epoch
+             ORDER BY u.watch_id, jsonb_hash(u.row_key), u.row_key, u.name, u.epoch) g
+     CROSS JOIN LATERAL (
+           -- Computed from the row as locked: FOR UPDATE re-reads a row
+           -- changed since the statement's snapshot, and this with it.
+           SELECT i.ctid AS row_ctid,
+                  CASE WHEN cardinality(g.gone) = 1 THEN array_remove(i.clients, g.gone[1])
+                       ELSE ARRAY(SELECT c.c FROM unnest(i.clients) AS c(c) WHERE c.c <> ALL (g.gone)) END AS clients
+             FROM pgbroker.interest i
+            WHERE i.watch_id = g.watch_id AND i.row_key = g.row_key AND i.name = g.name AND i.epoch = g.epoch
+              FOR UPDATE) x;
+    IF v_rows IS NULL THEN
+        RETURN;
+    END IF;
+    -- Joined by ctid alone: a TID probe per row given, whatever the table's
+    -- statistics say.  (With ctid = ANY (v_rows) as well, the generic plan
+    -- scanned the TIDs and the unnest again for each: 30,000 rows took 5 s.)
+    UPDATE pgbroker.interest i
+       SET clients = r.clients::text[]
+      FROM unnest(v_rows, v_clients) AS r(row_ctid, clients)
+     WHERE i.ctid = r.row_ctid AND r.clients <> '{}';
+    DELETE FROM pgbroker.interest i
+     USING unnest(v_rows, v_clients) AS r(row_ctid, clients)
+     WHERE i.ctid = r.row_ctid AND r.clients = '{}';
+END
+$function$;
