@@ -489,9 +489,12 @@ CREATE OR REPLACE FUNCTION pgbroker._watch_filtered_template()
 AS $function$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
            AND current_setting('transaction_isolation') = 'read committed' THEN
             -- First whether any change has a subscriber at all: one index probe per change for its key, the whole
-            -- table and its points (a change that matches nothing, the common case, costs no more).
+            -- table and its points, those before an UPDATE only where they moved (a change that matches nothing,
+            -- the common case, costs no more).
             IF EXISTS (SELECT FROM ({{fchanges}} OFFSET 0) k
-                        CROSS JOIN LATERAL unnest(k.new_points || k.old_points || ARRAY[k.row_key, 'null'::jsonb]) AS y(key)
+                        CROSS JOIN LATERAL unnest(CASE WHEN k.old_points = k.new_points THEN k.new_points
+                                                       ELSE k.new_points || k.old_points END
+                                                  || ARRAY[k.row_key, 'null'::jsonb]) AS y(key)
                         CROSS JOIN LATERAL (SELECT FROM pgbroker.interest j
                                              WHERE j.watch_id = {{watch_id}} AND j.row_key = y.key LIMIT 1) j) THEN
 {{ffanout}};
