@@ -58,6 +58,9 @@ CREATE TABLE pgbroker.interest (
     -- client_ids, not client_keys: what the broker needs, copied as is into
     -- the outbox (a lookup per client at fetch time cost the broker ~3 µs each).
     clients text[] NOT NULL,
+    -- A range filter's box (pgbroker._range_box, 350_filters.sql); NULL
+    -- for every other key.
+    range_box box,
     PRIMARY KEY (watch_id, row_key, name, epoch)
 )
 -- Room on each page for a row's next version: a subscribe or an unregister
@@ -72,6 +75,9 @@ WITH (fillfactor = 70);
 -- ANALYZE yet) the planner took the rows of a new epoch for two and read
 -- them all to shrink one client's ten (issue 45).
 CREATE UNIQUE INDEX interest_name_epoch ON pgbroker.interest (name, epoch, watch_id, row_key);
+-- The range filters' rows: which ranges contain a changed row's value,
+-- in one probe (350_filters.sql).
+CREATE INDEX interest_range ON pgbroker.interest USING gist (range_box) WHERE range_box IS NOT NULL;
 COMMENT ON TABLE pgbroker.interest IS 'Internal: subscribed client_ids per watched row and broker, kept by subscribe/unsubscribe/client_unregister for the triggers.';
 COMMENT ON COLUMN pgbroker.interest.watch_id IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.interest.row_key IS 'The row key (JSON null: whole table).';
@@ -79,6 +85,38 @@ COMMENT ON COLUMN pgbroker.interest.name IS 'The broker (lease name) of these cl
 COMMENT ON COLUMN pgbroker.interest.epoch IS 'Its epoch: rows of an earlier epoch than the lease''s are invisible and swept by broker_sweep().';
 COMMENT ON COLUMN pgbroker.interest.lock_key IS 'Its lease''s lock_key (liveness test and wake-up channel of the triggers).';
 COMMENT ON COLUMN pgbroker.interest.clients IS 'client_ids of the subscribed clients, each once.';
+COMMENT ON COLUMN pgbroker.interest.range_box IS 'For a range filter''s key: its bounds (x) and its table, column and other columns'' values (a hash, y), for the GiST probe; NULL otherwise.';
+
+-- The subscription keys a changed row's points P_POINTS match in watched
+-- table P_WATCH_ID: each point of equality itself, and for each range
+-- probe (350_filters.sql) the keys of the ranges that contain its value,
+-- of any broker: one GiST probe, the candidates compared exactly.  The
+-- triggers of a table with ranges, and the fetch of rows resolved late,
+-- probe the interest for these keys as for the others.
+CREATE FUNCTION pgbroker._filter_keys(p_watch_id integer, p_points jsonb[])
+RETURNS jsonb[]
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM unnest(p_points) AS p WHERE p ? '') THEN
+        RETURN p_points;
+    END IF;
+    RETURN ARRAY(SELECT p FROM unnest(p_points) AS p WHERE NOT p ? ''
+                 UNION
+                 SELECT j.row_key
+                   FROM unnest(p_points) AS p
+                   JOIN pgbroker.interest j
+                     ON j.range_box @> pgbroker._range_probe(p_watch_id, p)
+                    AND j.watch_id = p_watch_id
+                    AND j.row_key -> '' -> 0 = p -> '' -> 0
+                    AND j.row_key - '' - (p -> '' ->> 0) = p - '' - (p -> '' ->> 0)
+                    AND pgbroker._range_holds(j.row_key -> (p -> '' ->> 0), p -> '' ->> 2, p -> (p -> '' ->> 0))
+                  WHERE p ? '');
+END
+$$;
+COMMENT ON FUNCTION pgbroker._filter_keys(integer, jsonb[]) IS
+    'Internal: the subscription keys matched by a changed row''s filter points: the points of equality, and the keys of the ranges containing its range probes'' values.';
 
 -- ---------------------------------------------------------------------------
 -- Subscriptions.
@@ -315,9 +353,9 @@ BEGIN
         INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
         SELECT n.client_key, p_watch.watch_id, n.row_key FROM new n
     ), interest AS (
-        INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
+        INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients, range_box)
         SELECT p_watch.watch_id, n.row_key, p_name, p_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = p_name),
-               array_agg(n.id)
+               array_agg(n.id), pgbroker._range_box(p_watch.watch_id, n.row_key)
           FROM new n
          GROUP BY n.row_key
         ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || excluded.clients

@@ -365,15 +365,17 @@ AS $$
                                 ORDER BY 1) END AS clients,
                f.left_clients
           FROM pgbroker.outbox o
-          -- A row of a table with filters: the subscribers of its key, of the whole table and of its points
-          -- after the change, and those of its points before it only, who saw it leave (as the triggers do).
+          -- A row of a table with filters: the subscribers of its key, of the whole table and of the keys its
+          -- points match after the change, and those of the keys its points before it match only, who saw it
+          -- leave (as the triggers do).
           LEFT JOIN LATERAL (
                SELECT array_agg(m.c ORDER BY m.c) AS clients, array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
                  FROM (SELECT x.c, bool_and(p.old) AS gone
                          FROM (SELECT q.key, bool_and(q.old) AS old
-                                 FROM (SELECT k, false FROM unnest(o.new_points || ARRAY[o.row_key, 'null'::jsonb]) AS k
+                                 FROM (SELECT k, false
+                                         FROM unnest(pgbroker._filter_keys(o.watch_id, o.new_points) || ARRAY[o.row_key, 'null'::jsonb]) AS k
                                        UNION ALL
-                                       SELECT k, true FROM unnest(o.old_points) AS k) AS q (key, old)
+                                       SELECT k, true FROM unnest(pgbroker._filter_keys(o.watch_id, o.old_points)) AS k) AS q (key, old)
                                 GROUP BY q.key) p
                          JOIN pgbroker.interest i
                            ON i.watch_id = o.watch_id AND i.row_key = p.key AND i.name = p_name AND i.epoch = p_epoch

@@ -291,9 +291,10 @@ AS $template$ SELECT $t$
                               array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
                          FROM (SELECT j.name, j.epoch, min(j.lock_key) AS lock_key, x.c, bool_and(p.old) AS gone
                                  FROM (SELECT q.key, bool_and(q.old) AS old
-                                         FROM (SELECT y, false FROM unnest(k.new_points || ARRAY[k.row_key, 'null'::jsonb]) AS y
+                                         FROM (SELECT y, false
+                                                 FROM unnest({{keys}}k.new_points{{keys_end}} || ARRAY[k.row_key, 'null'::jsonb]) AS y
                                                UNION ALL
-                                               SELECT y, true FROM unnest(k.old_points) AS y) AS q (key, old)
+                                               SELECT y, true FROM unnest({{keys}}k.old_points{{keys_end}}) AS y) AS q (key, old)
                                         GROUP BY q.key) p
                                 CROSS JOIN LATERAL (SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
                                                      WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key OFFSET 0) j
@@ -336,8 +337,8 @@ AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lo
             -- table and its points, those before an UPDATE only where they moved (a change that matches nothing,
             -- the common case, costs no more).
             IF EXISTS (SELECT FROM ({{fchanges}} OFFSET 0) k
-                        CROSS JOIN LATERAL unnest(CASE WHEN k.old_points = k.new_points THEN k.new_points
-                                                       ELSE k.new_points || k.old_points END
+                        CROSS JOIN LATERAL unnest({{keys}}CASE WHEN k.old_points = k.new_points THEN k.new_points
+                                                               ELSE k.new_points || k.old_points END{{keys_end}}
                                                   || ARRAY[k.row_key, 'null'::jsonb]) AS y(key)
                         CROSS JOIN LATERAL (SELECT FROM pgbroker.interest j
                                              WHERE j.watch_id = {{watch_id}} AND j.row_key = y.key LIMIT 1) j) THEN
@@ -476,24 +477,27 @@ COMMENT ON FUNCTION pgbroker._watch_exprs(pgbroker.watched, text, text) IS
 -- column dropped since is left out: watch() again after ALTER TABLE, as
 -- for the changed columns above).
 CREATE FUNCTION pgbroker._watch_shapes(p_watch pgbroker.watched)
-RETURNS SETOF text[]
+RETURNS TABLE (columns text[], range_column text)
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT f.columns FROM pgbroker.filter_shape f
+    SELECT f.columns, f.range_column FROM pgbroker.filter_shape f
      WHERE f.watch_id = p_watch.watch_id
-       AND NOT EXISTS (SELECT FROM unnest(f.columns) AS c
+       AND NOT EXISTS (SELECT FROM unnest(array_remove(f.columns || f.range_column, '')) AS c
                         WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a
                                            WHERE a.attrelid = p_watch.relid AND a.attname = c AND a.attnum > 0
                                              AND NOT a.attisdropped))
-     ORDER BY f.columns
+     ORDER BY f.columns, f.range_column
 $$;
 COMMENT ON FUNCTION pgbroker._watch_shapes(pgbroker.watched) IS
-    'Internal: the shapes (sorted column names) of the filters of a watched table whose columns all exist.';
+    'Internal: the shapes (sorted equality columns, and the range''s column or empty) of the filters of a watched table whose columns all exist.';
 
 -- The SQL expression of the filter points of a row P_ROW (n, o, NEW, OLD):
--- an array with one JSON object of its values per shape, each encoded as
--- _filter_points() encodes a filter's; NULL for a table without filters.
+-- an array with one JSON object per shape: of its values, encoded as
+-- _filter_points() encodes a filter's; for a shape with a range, the range
+-- probe (its equality columns' values, the range column's, and the member
+-- "": the column, the value's float8 and its class; see 350_filters.sql).
+-- NULL for a table without filters.
 CREATE FUNCTION pgbroker._watch_points(p_watch pgbroker.watched, p_row text)
 RETURNS text
 LANGUAGE sql STABLE
@@ -501,13 +505,21 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT CASE WHEN count(*) > 0 THEN
                format('ARRAY[%s]::jsonb[]',
-                      string_agg(format('jsonb_build_object(%s)',
+                      string_agg(format('jsonb_build_object(%s)', concat_ws(', ',
                                         (SELECT string_agg(format('%L, %s.%I', c, p_row, c), ', ' ORDER BY c COLLATE "C")
-                                           FROM unnest(f.columns) AS c)), ', ' ORDER BY f.columns)) END
-      FROM pgbroker._watch_shapes(p_watch) AS f(columns)
+                                           FROM unnest(f.columns) AS c),
+                                        (SELECT format('%1$L, %2$s.%1$I, %3$L, jsonb_build_array(%1$L, %4$s, %5$L)',
+                                                       f.range_column, p_row, '', 
+                                                       pgbroker._range_float(pgbroker._range_class(a.atttypid),
+                                                                             format('%s.%I', p_row, f.range_column)),
+                                                       pgbroker._range_class(a.atttypid))
+                                           FROM pg_catalog.pg_attribute a
+                                          WHERE a.attrelid = p_watch.relid AND a.attname = f.range_column))),
+                                 ', ' ORDER BY f.columns, f.range_column)) END
+      FROM pgbroker._watch_shapes(p_watch) AS f
 $$;
 COMMENT ON FUNCTION pgbroker._watch_points(pgbroker.watched, text) IS
-    'Internal: the SQL expression of the filter points (jsonb[], one per shape) of a row of a watched table; NULL without filters.';
+    'Internal: the SQL expression of the filter points and range probes (jsonb[], one per shape) of a row of a watched table; NULL without filters.';
 
 -- The SQL expressions of a watched table that fill the templates' slots.
 CREATE FUNCTION pgbroker._watch_slots(p_watch pgbroker.watched)
@@ -526,8 +538,12 @@ DECLARE
     v_filtered jsonb := '{}';
 BEGIN
     IF v_np IS NOT NULL THEN
-        -- A table with filters: the changes with the rows' points (old_points for U only).
-        v_filtered := jsonb_build_object(
+        -- A table with filters: the changes with the rows' points (old_points for U only), and, with ranges, the
+        -- keys those match ({{keys}}points{{keys_end}}: _filter_keys).
+        v_filtered := CASE WHEN EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch) AS f WHERE f.range_column <> '')
+                           THEN jsonb_build_object('keys', format('pgbroker._filter_keys(%s, ', p_watch.watch_id), 'keys_end', ')')
+                           ELSE jsonb_build_object('keys', '', 'keys_end', '') END
+                      || jsonb_build_object(
             'ins_fchanges', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
                      NULL::jsonb[] AS old_points FROM pgbroker_new n$q$, r ->> 'new_key', v_np),
             'del_fchanges', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
@@ -679,7 +695,8 @@ DECLARE
     -- Keys (and filtered columns) of a type whose to_jsonb() depends on
     -- session settings are encoded under fixed ones (see _key_settings).
     v_settings text := pgbroker._key_settings(p_watch.key_types || ARRAY(
-                           SELECT a.atttypid::regtype FROM pgbroker._watch_shapes(p_watch) AS f(columns), unnest(f.columns) AS c
+                           SELECT a.atttypid::regtype FROM pgbroker._watch_shapes(p_watch) AS f,
+                                  unnest(array_remove(f.columns || f.range_column, '')) AS c
                              JOIN pg_catalog.pg_attribute a ON a.attrelid = p_watch.relid AND a.attname = c));
     v_filtered boolean := EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch));
 BEGIN

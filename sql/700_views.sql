@@ -108,8 +108,9 @@ COMMENT ON COLUMN pgbroker.watched_tables.subscriptions IS 'Number of subscripti
 CREATE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
        CASE WHEN jsonb_typeof(s.row_key) NOT IN ('null', 'object') THEN s.row_key END AS key, s.subscribed_at,
-       -- A filter's points are keys that are JSON objects (350_filters.sql), which no row's key is.
-       CASE WHEN jsonb_typeof(s.row_key) = 'object' THEN s.row_key END AS filter
+       -- A filter's points are keys that are JSON objects (350_filters.sql), which no row's key is; a range's
+       -- member "" is for the index.
+       CASE WHEN jsonb_typeof(s.row_key) = 'object' THEN s.row_key - '' END AS filter
   FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
          WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
                           OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
@@ -123,7 +124,7 @@ COMMENT ON COLUMN pgbroker.subscriptions.client_id IS 'The client.';
 COMMENT ON COLUMN pgbroker.subscriptions."table" IS 'The watched table.';
 COMMENT ON COLUMN pgbroker.subscriptions.key IS 'The row key (jsonb), NULL for a whole-table subscription or one by filter.';
 COMMENT ON COLUMN pgbroker.subscriptions.subscribed_at IS 'When.';
-COMMENT ON COLUMN pgbroker.subscriptions.filter IS 'For a subscription by filter: one point of the filter, a JSON object of column values ({"team": 7}; a filter with "in" has a row per value); NULL otherwise.';
+COMMENT ON COLUMN pgbroker.subscriptions.filter IS 'For a subscription by filter: one point of the filter, a JSON object of column values and at most one range ({"team": 7, "price": {"gte": 10}}; a filter with "in" has a row per value); NULL otherwise.';
 
 CREATE VIEW pgbroker.outbox_pending AS
 SELECT o.name, count(*) AS pending, min(o.at) AS oldest

@@ -1,7 +1,8 @@
 """Oracle test of subscriptions by filter (issue 43): random clients of two brokers subscribed by equality, IN,
-NULL and two-column filters mixed with key and whole-table subscriptions, random writes (moves between filter
-values, inserts, deletes, bulk updates, key changes, TRUNCATE, rollbacks) at random isolation levels; every
-delivery, with its clients and ``left``, equals a model built from each change's row before and after it."""
+NULL, range (on a column and on the key) and two-column filters mixed with key and whole-table subscriptions,
+random writes (moves between filter values, inserts, deletes, bulk updates, key changes, TRUNCATE, rollbacks) at
+random isolation levels; every delivery, with its clients and ``left``, equals a model built from each change's
+row before and after it."""
 
 from __future__ import annotations
 
@@ -31,6 +32,29 @@ def _json_value(v: object, as_text: bool) -> object:
     return str(v) if as_text and isinstance(v, int) else v
 
 
+def _range(lower: tuple, upper: tuple, as_text: bool) -> dict:
+    """A range condition from (operator, bound) pairs, operator None for no bound; bounds sometimes JSON strings."""
+    return {op: _json_value(v, as_text) for op, v in (lower, upper) if op is not None}
+
+
+def _nonempty(r: dict) -> bool:
+    lo = r.get("gt", r.get("gte"))
+    hi = r.get("lt", r.get("lte"))
+    if lo is None or hi is None:
+        return True
+    lo, hi = int(lo), int(hi)
+    return lo < hi or (lo == hi and "gte" in r and "lte" in r)
+
+
+def _ranges(bounds: st.SearchStrategy[int]) -> st.SearchStrategy[dict]:
+    lower = st.one_of(st.just((None, None)), st.tuples(st.sampled_from(["gt", "gte"]), bounds))
+    upper = st.one_of(st.just((None, None)), st.tuples(st.sampled_from(["lt", "lte"]), bounds))
+    return st.builds(_range, lower, upper, st.booleans()).filter(lambda r: r and _nonempty(r))
+
+
+A_RANGES = _ranges(st.integers(min_value=-1, max_value=3))
+ID_RANGES = _ranges(st.integers(min_value=0, max_value=9))
+
 FILTERS = st.one_of(
     st.builds(lambda v, t: {"a": _json_value(v, t)}, A_VALUES, st.booleans()),
     st.builds(lambda v: {"a": {"eq": v}}, A_VALUES),
@@ -39,6 +63,9 @@ FILTERS = st.one_of(
     st.builds(lambda vs: {"b": {"in": vs}}, st.lists(B_VALUES, min_size=1, max_size=3)),
     st.builds(lambda a, b: {"a": a, "b": b}, A_VALUES, B_VALUES),
     st.builds(lambda a, bs: {"a": a, "b": {"in": bs}}, A_VALUES, st.lists(B_VALUES, min_size=1, max_size=2)),
+    st.builds(lambda r: {"a": r}, A_RANGES),
+    st.builds(lambda r, b: {"a": r, "b": b}, A_RANGES, B_VALUES),
+    st.builds(lambda r, bs: {"id": r, "b": {"in": bs}}, ID_RANGES, st.lists(B_VALUES, min_size=1, max_size=2)),
 )
 SUBSCRIPTION = st.one_of(
     st.tuples(st.just("key"), st.one_of(st.none(), KEYS)),  # None: the whole table
@@ -73,15 +100,32 @@ SCENARIOS = st.fixed_dictionaries(
 )
 
 
+RANGE_OPS = ("gt", "gte", "lt", "lte")
+
+
 def points(flt: dict) -> set[tuple]:
-    """A filter's points: (column, value) pairs sorted by column, one per combination of values."""
+    """A filter's points: (column, value) pairs sorted by column, one per combination of values; a range's value
+    is ("range", ((operator, bound), ...)), its bounds as integers."""
     cols = sorted(flt)
     values = []
     for c in cols:
         v = flt[c]
+        if isinstance(v, dict) and set(v) <= set(RANGE_OPS):
+            values.append([("range", tuple(sorted((op, int(b)) for op, b in v.items())))])
+            continue
         vs = (v["in"] if "in" in v else [v["eq"]]) if isinstance(v, dict) else [v]
         values.append([int(x) if c == "a" and isinstance(x, str) else x for x in vs])
     return {tuple(zip(cols, combo, strict=True)) for combo in itertools.product(*values)}
+
+
+def matches(value: object, condition: object) -> bool:
+    """Whether a row's value meets a point's condition: equal (None matches NULL), or within a range."""
+    if isinstance(condition, tuple) and condition and condition[0] == "range":
+        if value is None:
+            return False
+        tests = {"gt": value.__gt__, "gte": value.__ge__, "lt": value.__lt__, "lte": value.__le__}
+        return all(tests[op](bound) for op, bound in condition[1])
+    return value == condition
 
 
 class Model:
@@ -97,7 +141,7 @@ class Model:
     def _by_row(self, row: Row | None) -> set[str]:
         if row is None:
             return set()
-        return {c for c, p in self.points if all(row[col] == v for col, v in p)}
+        return {c for c, p in self.points if all(matches(row[col], v) for col, v in p)}
 
     def targets(self, op: str, key: int | None, changed: tuple | None, old: Row | None, new: Row | None) -> Counter:
         if op == "T":

@@ -15,6 +15,7 @@ SELECT pgbroker._watch_lock_table(w.relid::regclass, NULL), pgbroker._watch_crea
  ORDER BY w.watch_id;
 DELETE FROM pgbroker.subscription s WHERE jsonb_typeof(s.row_key) = 'object';
 DELETE FROM pgbroker.interest i WHERE jsonb_typeof(i.row_key) = 'object';
+ALTER TABLE pgbroker.interest DROP COLUMN range_box;  -- and its index interest_range
 DROP TRIGGER _600_render ON pgbroker.filter_shape;
 DROP TABLE pgbroker.filter_shape;
 -- The view subscriptions without its column filter (DROP and CREATE: its grants and comments again).
@@ -64,6 +65,14 @@ DROP FUNCTION pgbroker._watch_shapes(pgbroker.watched);
 DROP FUNCTION pgbroker.subscribe(text,regclass,jsonb,text,bigint,interval,jsonb);
 DROP FUNCTION pgbroker.subscribe_filters(text[],regclass,jsonb[],text,bigint,interval);
 DROP FUNCTION pgbroker.unsubscribe(text,regclass,jsonb,text,bigint,jsonb);
+DROP FUNCTION pgbroker._filter_keys(integer,jsonb[]);
+DROP FUNCTION pgbroker._filter_ranges(pgbroker.watched,bigint[],text[],jsonb[],boolean);
+DROP FUNCTION pgbroker._range_box(integer,jsonb);
+DROP FUNCTION pgbroker._range_class(regtype);
+DROP FUNCTION pgbroker._range_float(text,text);
+DROP FUNCTION pgbroker._range_hash(integer,jsonb);
+DROP FUNCTION pgbroker._range_holds(jsonb,text,jsonb);
+DROP FUNCTION pgbroker._range_probe(integer,jsonb);
 CREATE OR REPLACE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL::jsonb, name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint, wait interval DEFAULT '00:00:05'::interval)
  RETURNS boolean
  LANGUAGE plpgsql

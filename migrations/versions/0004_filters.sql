@@ -11,13 +11,15 @@ SET LOCAL check_function_bodies = off;
 CREATE TABLE pgbroker.filter_shape (
     watch_id integer NOT NULL,   -- no foreign key (see subscription); unwatch() deletes its table's
     columns text[] NOT NULL,
+    range_column text NOT NULL DEFAULT '',
     added_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
-    PRIMARY KEY (watch_id, columns)
+    PRIMARY KEY (watch_id, columns, range_column)
 );
 COMMENT ON TABLE pgbroker.filter_shape IS
     'The shapes (sets of columns) of the filters subscribed to per watched table: the triggers compute each changed row''s point of each. Internal: subscribe with a filter adds them.';
 COMMENT ON COLUMN pgbroker.filter_shape.watch_id IS 'The watched table.';
-COMMENT ON COLUMN pgbroker.filter_shape.columns IS 'The columns of the shape, sorted (COLLATE "C").';
+COMMENT ON COLUMN pgbroker.filter_shape.columns IS 'The columns of the shape compared for equality, sorted (COLLATE "C").';
+COMMENT ON COLUMN pgbroker.filter_shape.range_column IS 'The column of the shape compared with a range; empty for none.';
 COMMENT ON COLUMN pgbroker.filter_shape.added_at IS 'When the first filter of this shape was subscribed.';
 -- Hand-written (end).
 -- ---------------------------------------------------------------------------
@@ -60,6 +62,9 @@ DECLARE
     v_cast text;
     v_state text;
     v_message text;
+    v_range_pos bigint[];
+    v_range_parts jsonb[];
+    v_range_cols text[];
 BEGIN
     IF cardinality(p_watch.key_columns) = 1 AND p_watch.key_types[1] IN ('jsonb'::regtype, 'json'::regtype) THEN
         RAISE EXCEPTION 'table % cannot be subscribed to by filter: its key is one jsonb column', p_watch.table_name
@@ -123,34 +128,57 @@ BEGIN
                 quote_ident(v_bad.col), p_watch.table_name
             USING ERRCODE = 'undefined_column';
     END IF;
-    -- Each value: a JSON value (equality), {"eq": value} or {"in": [values, ...]} (not empty).
-    SELECT u.i, u.col, u.v,
-           CASE WHEN jsonb_typeof(u.v) = 'array' THEN 'array'
-                WHEN u.v = '{}'::jsonb THEN 'empty'
-                WHEN (SELECT count(*) FROM jsonb_object_keys(u.v)) > 1 THEN 'several'
-                WHEN u.v ? 'in' THEN 'in'
-                WHEN u.v ?| ARRAY['lt', 'lte', 'gt', 'gte', 'neq', 'ne', 'like'] THEN 'unsupported'
-                ELSE 'unknown' END AS problem
-      INTO v_bad
-      FROM unnest(v_pos, v_cols, v_vals) AS u(i, col, v)
-     WHERE jsonb_typeof(u.v) IN ('array', 'object')
-       AND NOT (jsonb_typeof(u.v) = 'object' AND (SELECT count(*) FROM jsonb_object_keys(u.v)) = 1
-                AND (u.v ? 'eq' OR (u.v ? 'in' AND jsonb_typeof(u.v -> 'in') = 'array' AND u.v -> 'in' <> '[]'::jsonb)))
-     ORDER BY u.i LIMIT 1;
+    -- Each value: a JSON value (equality), {"eq": value}, {"in": [values, ...]} (not empty), or a range: one or two
+    -- of gt / gte (lower bound) and lt / lte (upper bound), each a JSON scalar.
+    SELECT q.i, q.col, q.v, q.problem INTO v_bad
+      FROM (SELECT u.i, u.col, u.v,
+                   CASE WHEN jsonb_typeof(u.v) = 'array' THEN 'array'
+                        WHEN u.v = '{}'::jsonb THEN 'empty'
+                        WHEN u.v ?| ARRAY['neq', 'ne', 'like', 'ilike', 'not', 'is', 'contains'] THEN 'unsupported'
+                        WHEN EXISTS (SELECT FROM jsonb_object_keys(u.v) AS k
+                                      WHERE k NOT IN ('eq', 'in', 'gt', 'gte', 'lt', 'lte')) THEN 'unknown'
+                        WHEN (u.v ? 'eq' OR u.v ? 'in') AND (SELECT count(*) FROM jsonb_object_keys(u.v)) > 1 THEN 'several'
+                        WHEN u.v ? 'in' AND (jsonb_typeof(u.v -> 'in') <> 'array' OR u.v -> 'in' = '[]'::jsonb) THEN 'in'
+                        WHEN (u.v ? 'gt' AND u.v ? 'gte') OR (u.v ? 'lt' AND u.v ? 'lte') THEN 'bounds'
+                        WHEN EXISTS (SELECT FROM jsonb_each(u.v) AS b
+                                      WHERE b.key IN ('gt', 'gte', 'lt', 'lte')
+                                        AND jsonb_typeof(b.value) IN ('null', 'array', 'object')) THEN 'bound'
+                   END AS problem
+              FROM unnest(v_pos, v_cols, v_vals) AS u(i, col, v)
+             WHERE jsonb_typeof(u.v) IN ('array', 'object')) q
+     WHERE q.problem IS NOT NULL
+     ORDER BY q.i LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION '%: %', pgbroker._filter_where(p_bulk, v_bad.i), CASE v_bad.problem
                 WHEN 'array' THEN format('the value of column %s is an array: several values are {"in": [...]}, an array value {"eq": [...]}',
                                          quote_ident(v_bad.col))
                 WHEN 'empty' THEN format('column %s has an empty operator object', quote_ident(v_bad.col))
-                WHEN 'several' THEN format('column %s has more than one operator (%s): give one (ranges are not supported)',
+                WHEN 'several' THEN format('column %s has "eq" or "in" beside another operator (%s): give one',
                                            quote_ident(v_bad.col), v_bad.v)
                 WHEN 'in' THEN format('"in" of column %s must be a non-empty JSON array', quote_ident(v_bad.col))
-                WHEN 'unsupported' THEN format('operator %s of column %s is not supported: filters compare for equality only',
-                                               (SELECT k FROM jsonb_object_keys(v_bad.v) AS k LIMIT 1), quote_ident(v_bad.col))
-                ELSE format('unknown operator %s of column %s', quote_literal((SELECT k FROM jsonb_object_keys(v_bad.v) AS k LIMIT 1)),
+                WHEN 'bounds' THEN format('column %s has two lower or two upper bounds (%s): give one of gt and gte, one of lt and lte',
+                                          quote_ident(v_bad.col), v_bad.v)
+                WHEN 'bound' THEN format('a bound of column %s is not a JSON scalar (%s)', quote_ident(v_bad.col), v_bad.v)
+                WHEN 'unsupported' THEN format('operator %s of column %s is not supported',
+                                               (SELECT k FROM jsonb_object_keys(v_bad.v) AS k
+                                                 WHERE k IN ('neq', 'ne', 'like', 'ilike', 'not', 'is', 'contains') LIMIT 1),
+                                               quote_ident(v_bad.col))
+                ELSE format('unknown operator %s of column %s',
+                            quote_literal((SELECT k FROM jsonb_object_keys(v_bad.v) AS k
+                                            WHERE k NOT IN ('eq', 'in', 'gt', 'gte', 'lt', 'lte') LIMIT 1)),
                             quote_ident(v_bad.col)) END
             USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'A column''s condition is a JSON value (equality; null matches NULL), {"eq": value} or {"in": [value, ...]}.';
+                  HINT = 'A column''s condition is a JSON value (equality; null matches NULL), {"eq": value}, {"in": [value, ...]}, '
+                         'or a range: {"gte": 10, "lt": 20} (gt, gte, lt, lte).';
+    END IF;
+    -- The ranges: taken apart (v_range_pos, v_range_parts), the rest expanded below.
+    IF EXISTS (SELECT FROM unnest(v_vals) AS u(v) WHERE jsonb_typeof(u.v) = 'object' AND NOT (u.v ? 'eq' OR u.v ? 'in')) THEN
+        SELECT r.positions, r.parts, r.columns INTO v_range_pos, v_range_parts, v_range_cols
+          FROM pgbroker._filter_ranges(p_watch, v_pos, v_cols, v_vals, p_bulk) AS r;
+        SELECT array_agg(u.i ORDER BY u.n), array_agg(u.col ORDER BY u.n), array_agg(u.v ORDER BY u.n)
+          INTO v_pos, v_cols, v_vals
+          FROM unnest(v_pos, v_cols, v_vals) WITH ORDINALITY AS u(i, col, v, n)
+         WHERE NOT (jsonb_typeof(u.v) = 'object' AND NOT (u.v ? 'eq' OR u.v ? 'in'));
     END IF;
     -- Every (filter, column, value): the values of "in" one by one (a value given twice makes a point given twice,
     -- which subscribes once).
@@ -177,40 +205,44 @@ BEGIN
     END IF;
     -- Each column's values cast to its type (so "7" and 7 are the same value of an integer column), and encoded as
     -- the triggers encode the row's value, in one statement; a column whose type has no equality is refused.
-    SELECT e.cases, e.bad_column, e.bad_type INTO v_cast, v_bad_column, v_bad_type
-      FROM pgbroker._filter_encoder(p_watch.relid, ARRAY(SELECT DISTINCT c FROM unnest(v_cols) AS c)) AS e;
-    IF v_cast IS NULL THEN
-        SELECT min(u.i) AS i INTO v_bad FROM unnest(v_pos, v_cols) AS u(i, col) WHERE u.col = v_bad_column;
-        RAISE EXCEPTION '%: column % has type %, which has no equality operator', pgbroker._filter_where(p_bulk, v_bad.i),
-                quote_ident(v_bad_column), v_bad_type
-            USING ERRCODE = 'PB023', HINT = 'Filters compare for equality: filter on another column.';
+    -- (None to cast when every filter is one range.)
+    IF v_pos IS NOT NULL THEN
+        SELECT e.cases, e.bad_column, e.bad_type INTO v_cast, v_bad_column, v_bad_type
+          FROM pgbroker._filter_encoder(p_watch.relid, ARRAY(SELECT DISTINCT c FROM unnest(v_cols) AS c)) AS e;
+        IF v_cast IS NULL THEN
+            SELECT min(u.i) AS i INTO v_bad FROM unnest(v_pos, v_cols) AS u(i, col) WHERE u.col = v_bad_column;
+            RAISE EXCEPTION '%: column % has type %, which has no equality operator', pgbroker._filter_where(p_bulk, v_bad.i),
+                    quote_ident(v_bad_column), v_bad_type
+                USING ERRCODE = 'PB023', HINT = 'Filters compare for equality: filter on another column.';
+        END IF;
+        BEGIN
+            EXECUTE format($q$SELECT array_agg(CASE WHEN jsonb_typeof(u.v) = 'null' THEN 'null'::jsonb ELSE CASE u.col %s END END
+                                               ORDER BY u.n)
+                                FROM unnest($1, $2) WITH ORDINALITY AS u(v, col, n)$q$, v_cast)
+               INTO v_enc USING v_vals, v_cols;
+        EXCEPTION WHEN data_exception OR integrity_constraint_violation THEN
+            -- Which value: one at a time, in order, for the message.
+            FOR v_bad IN SELECT u.i, u.col, u.v, a.atttypid::regtype AS typ
+                           FROM unnest(v_pos, v_cols, v_vals) AS u(i, col, v)
+                           JOIN pg_catalog.pg_attribute a ON a.attrelid = p_watch.relid AND a.attname = u.col
+                          WHERE jsonb_typeof(u.v) <> 'null' ORDER BY u.i, u.col LOOP
+                BEGIN
+                    EXECUTE format('SELECT %s::%s', CASE WHEN v_bad.typ = 'jsonb'::regtype THEN quote_literal(v_bad.v)
+                                                         ELSE quote_literal(v_bad.v #>> '{}') END, v_bad.typ);
+                EXCEPTION WHEN data_exception OR integrity_constraint_violation THEN
+                    GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT;
+                    RAISE EXCEPTION '%: value % of column % does not cast to its type %: %', pgbroker._filter_where(p_bulk, v_bad.i),
+                            v_bad.v, quote_ident(v_bad.col), v_bad.typ, v_message
+                        USING ERRCODE = v_state;
+                END;
+            END LOOP;
+            RAISE;  -- cannot happen: no value alone fails
+        END;
     END IF;
-    BEGIN
-        EXECUTE format($q$SELECT array_agg(CASE WHEN jsonb_typeof(u.v) = 'null' THEN 'null'::jsonb ELSE CASE u.col %s END END
-                                           ORDER BY u.n)
-                            FROM unnest($1, $2) WITH ORDINALITY AS u(v, col, n)$q$, v_cast)
-           INTO v_enc USING v_vals, v_cols;
-    EXCEPTION WHEN data_exception OR integrity_constraint_violation THEN
-        -- Which value: one at a time, in order, for the message.
-        FOR v_bad IN SELECT u.i, u.col, u.v, a.atttypid::regtype AS typ
-                       FROM unnest(v_pos, v_cols, v_vals) AS u(i, col, v)
-                       JOIN pg_catalog.pg_attribute a ON a.attrelid = p_watch.relid AND a.attname = u.col
-                      WHERE jsonb_typeof(u.v) <> 'null' ORDER BY u.i, u.col LOOP
-            BEGIN
-                EXECUTE format('SELECT %s::%s', CASE WHEN v_bad.typ = 'jsonb'::regtype THEN quote_literal(v_bad.v)
-                                                     ELSE quote_literal(v_bad.v #>> '{}') END, v_bad.typ);
-            EXCEPTION WHEN data_exception OR integrity_constraint_violation THEN
-                GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT;
-                RAISE EXCEPTION '%: value % of column % does not cast to its type %: %', pgbroker._filter_where(p_bulk, v_bad.i),
-                        v_bad.v, quote_ident(v_bad.col), v_bad.typ, v_message
-                    USING ERRCODE = v_state;
-            END;
-        END LOOP;
-        RAISE;  -- cannot happen: no value alone fails
-    END;
     -- The points.  Filters of one column: one point per value.  Others: the product of their columns' values,
-    -- built column by column.
-    IF NOT EXISTS (SELECT FROM unnest(v_pos, v_cols) AS u(i, col) GROUP BY u.i HAVING count(DISTINCT u.col) > 1) THEN
+    -- built column by column, then each filter's range (a filter of a range alone: the range).
+    IF v_range_pos IS NULL
+       AND NOT EXISTS (SELECT FROM unnest(v_pos, v_cols) AS u(i, col) GROUP BY u.i HAVING count(DISTINCT u.col) > 1) THEN
         SELECT array_agg(u.i::integer ORDER BY u.n), array_agg(jsonb_build_object(u.col, u.enc) ORDER BY u.n),
                array_agg(DISTINCT to_jsonb(ARRAY[u.col]))
           INTO positions, points, shapes
@@ -221,16 +253,24 @@ BEGIN
         SELECT u.i, u.col, u.enc FROM unnest(v_pos, v_cols, v_enc) AS u(i, col, enc)
     ), c AS (
         SELECT e.i, e.col, e.enc, dense_rank() OVER (PARTITION BY e.i ORDER BY e.col COLLATE "C") AS k FROM e
+    ), r AS (
+        SELECT r.i, r.part, r.col FROM unnest(v_range_pos, v_range_parts, v_range_cols) AS r(i, part, col)
     ), s AS (
         SELECT c.i, max(c.k) AS k, array_agg(DISTINCT c.col COLLATE "C") AS columns FROM c GROUP BY c.i
+        UNION ALL
+        SELECT r.i, 0, '{}' FROM r WHERE r.i NOT IN (SELECT e.i FROM e)
     ), p (i, k, point) AS (
         SELECT s.i, 0::bigint, '{}'::jsonb FROM s
         UNION ALL
         SELECT p.i, c.k, p.point || jsonb_build_object(c.col, c.enc) FROM p JOIN c ON c.i = p.i AND c.k = p.k + 1
     )
-    SELECT array_agg(p.i::integer ORDER BY p.i), array_agg(p.point ORDER BY p.i), array_agg(DISTINCT to_jsonb(s.columns))
+    -- A shape: its equality columns, and a range's column as a last element {"range": column}.
+    SELECT array_agg(p.i::integer ORDER BY p.i), array_agg(p.point || coalesce(r.part, '{}') ORDER BY p.i),
+           array_agg(DISTINCT to_jsonb(s.columns) || CASE WHEN r.col IS NULL THEN '[]'::jsonb
+                                                          ELSE jsonb_build_array(jsonb_build_object('range', r.col)) END)
       INTO positions, points, shapes
-      FROM p JOIN s ON s.i = p.i AND s.k = p.k;
+      FROM p JOIN s ON s.i = p.i AND s.k = p.k
+      LEFT JOIN r ON r.i = p.i;
 END
 $function$;
 COMMENT ON FUNCTION pgbroker._filter_points(pgbroker.watched,jsonb[],boolean) IS 'Internal: the points (subscription keys) of filters of a watched table, with their filters'' positions, and their shapes; the first bad filter''s error names it.';
@@ -243,26 +283,31 @@ AS $function$
 DECLARE
     v_shapes bigint;
 BEGIN
+    -- A shape: a JSON array of its equality columns, then {"range": column} if it has one.
     IF NOT EXISTS (SELECT FROM unnest(p_shapes) AS u(s)
                     WHERE NOT EXISTS (SELECT FROM pgbroker.filter_shape f
                                        WHERE f.watch_id = p_watch.watch_id
-                                         AND f.columns = ARRAY(SELECT jsonb_array_elements_text(u.s)))) THEN
+                                         AND f.columns = ARRAY(SELECT e #>> '{}' FROM jsonb_array_elements(u.s) AS e
+                                                                WHERE jsonb_typeof(e) = 'string')
+                                         AND f.range_column = coalesce(u.s -> -1 ->> 'range', ''))) THEN
         RETURN;
     END IF;
     PERFORM pgbroker._watch_lock_table(p_watch.relid::regclass, p_wait);
-    INSERT INTO pgbroker.filter_shape (watch_id, columns)
-    SELECT p_watch.watch_id, ARRAY(SELECT jsonb_array_elements_text(u.s)) FROM unnest(p_shapes) AS u(s)
+    INSERT INTO pgbroker.filter_shape (watch_id, columns, range_column)
+    SELECT p_watch.watch_id, ARRAY(SELECT e #>> '{}' FROM jsonb_array_elements(u.s) AS e WHERE jsonb_typeof(e) = 'string'),
+           coalesce(u.s -> -1 ->> 'range', '')
+      FROM unnest(p_shapes) AS u(s)
     ON CONFLICT DO NOTHING;
     SELECT count(*) INTO v_shapes FROM pgbroker.filter_shape f WHERE f.watch_id = p_watch.watch_id;
     IF v_shapes > pgbroker._filter_max_shapes() THEN
-        RAISE EXCEPTION 'table % would have % shapes of filters (sets of filtered columns), more than %',
+        RAISE EXCEPTION 'table % would have % shapes of filters (sets of filtered columns, and ranges), more than %',
                 p_watch.table_name, v_shapes, pgbroker._filter_max_shapes()
             USING ERRCODE = 'program_limit_exceeded',
                   HINT = 'Filter on fewer combinations of columns; shapes stay until unwatch().';
     END IF;
 END
 $function$;
-COMMENT ON FUNCTION pgbroker._filter_shapes_add(pgbroker.watched,jsonb[],interval) IS 'Internal: record the shapes (JSON arrays of sorted column names) not known yet of a watched table, under the table''s lock (PB022 after p_wait); its triggers are rendered again.';
+COMMENT ON FUNCTION pgbroker._filter_shapes_add(pgbroker.watched,jsonb[],interval) IS 'Internal: record the shapes (JSON arrays of sorted column names, and {"range": column}) not known yet of a watched table, under the table''s lock (PB022 after p_wait); its triggers are rendered again.';
 REVOKE ALL ON FUNCTION pgbroker._filter_shapes_add(pgbroker.watched,jsonb[],interval) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION pgbroker._filter_shapes_render()
  RETURNS trigger
@@ -381,9 +426,9 @@ BEGIN
         INSERT INTO pgbroker.subscription (client_key, watch_id, row_key)
         SELECT n.client_key, p_watch.watch_id, n.row_key FROM new n
     ), interest AS (
-        INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients)
+        INSERT INTO pgbroker.interest AS i (watch_id, row_key, name, epoch, lock_key, clients, range_box)
         SELECT p_watch.watch_id, n.row_key, p_name, p_epoch, (SELECT l.lock_key FROM pgbroker.lease l WHERE l.name = p_name),
-               array_agg(n.id)
+               array_agg(n.id), pgbroker._range_box(p_watch.watch_id, n.row_key)
           FROM new n
          GROUP BY n.row_key
         ON CONFLICT ON CONSTRAINT interest_pkey DO UPDATE SET clients = i.clients || excluded.clients
@@ -415,7 +460,8 @@ DECLARE
     -- Keys (and filtered columns) of a type whose to_jsonb() depends on
     -- session settings are encoded under fixed ones (see _key_settings).
     v_settings text := pgbroker._key_settings(p_watch.key_types || ARRAY(
-                           SELECT a.atttypid::regtype FROM pgbroker._watch_shapes(p_watch) AS f(columns), unnest(f.columns) AS c
+                           SELECT a.atttypid::regtype FROM pgbroker._watch_shapes(p_watch) AS f,
+                                  unnest(array_remove(f.columns || f.range_column, '')) AS c
                              JOIN pg_catalog.pg_attribute a ON a.attrelid = p_watch.relid AND a.attname = c));
     v_filtered boolean := EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch));
 BEGIN
@@ -455,9 +501,10 @@ AS $function$ SELECT $t$
                               array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
                          FROM (SELECT j.name, j.epoch, min(j.lock_key) AS lock_key, x.c, bool_and(p.old) AS gone
                                  FROM (SELECT q.key, bool_and(q.old) AS old
-                                         FROM (SELECT y, false FROM unnest(k.new_points || ARRAY[k.row_key, 'null'::jsonb]) AS y
+                                         FROM (SELECT y, false
+                                                 FROM unnest({{keys}}k.new_points{{keys_end}} || ARRAY[k.row_key, 'null'::jsonb]) AS y
                                                UNION ALL
-                                               SELECT y, true FROM unnest(k.old_points) AS y) AS q (key, old)
+                                               SELECT y, true FROM unnest({{keys}}k.old_points{{keys_end}}) AS y) AS q (key, old)
                                         GROUP BY q.key) p
                                 CROSS JOIN LATERAL (SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
                                                      WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key OFFSET 0) j
@@ -492,8 +539,8 @@ AS $function$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lo
             -- table and its points, those before an UPDATE only where they moved (a change that matches nothing,
             -- the common case, costs no more).
             IF EXISTS (SELECT FROM ({{fchanges}} OFFSET 0) k
-                        CROSS JOIN LATERAL unnest(CASE WHEN k.old_points = k.new_points THEN k.new_points
-                                                       ELSE k.new_points || k.old_points END
+                        CROSS JOIN LATERAL unnest({{keys}}CASE WHEN k.old_points = k.new_points THEN k.new_points
+                                                               ELSE k.new_points || k.old_points END{{keys_end}}
                                                   || ARRAY[k.row_key, 'null'::jsonb]) AS y(key)
                         CROSS JOIN LATERAL (SELECT FROM pgbroker.interest j
                                              WHERE j.watch_id = {{watch_id}} AND j.row_key = y.key LIMIT 1) j) THEN
@@ -529,28 +576,36 @@ CREATE OR REPLACE FUNCTION pgbroker._watch_points(p_watch pgbroker.watched, p_ro
 AS $function$
     SELECT CASE WHEN count(*) > 0 THEN
                format('ARRAY[%s]::jsonb[]',
-                      string_agg(format('jsonb_build_object(%s)',
+                      string_agg(format('jsonb_build_object(%s)', concat_ws(', ',
                                         (SELECT string_agg(format('%L, %s.%I', c, p_row, c), ', ' ORDER BY c COLLATE "C")
-                                           FROM unnest(f.columns) AS c)), ', ' ORDER BY f.columns)) END
-      FROM pgbroker._watch_shapes(p_watch) AS f(columns)
+                                           FROM unnest(f.columns) AS c),
+                                        (SELECT format('%1$L, %2$s.%1$I, %3$L, jsonb_build_array(%1$L, %4$s, %5$L)',
+                                                       f.range_column, p_row, '', 
+                                                       pgbroker._range_float(pgbroker._range_class(a.atttypid),
+                                                                             format('%s.%I', p_row, f.range_column)),
+                                                       pgbroker._range_class(a.atttypid))
+                                           FROM pg_catalog.pg_attribute a
+                                          WHERE a.attrelid = p_watch.relid AND a.attname = f.range_column))),
+                                 ', ' ORDER BY f.columns, f.range_column)) END
+      FROM pgbroker._watch_shapes(p_watch) AS f
 $function$;
-COMMENT ON FUNCTION pgbroker._watch_points(pgbroker.watched,text) IS 'Internal: the SQL expression of the filter points (jsonb[], one per shape) of a row of a watched table; NULL without filters.';
+COMMENT ON FUNCTION pgbroker._watch_points(pgbroker.watched,text) IS 'Internal: the SQL expression of the filter points and range probes (jsonb[], one per shape) of a row of a watched table; NULL without filters.';
 REVOKE ALL ON FUNCTION pgbroker._watch_points(pgbroker.watched,text) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION pgbroker._watch_shapes(p_watch pgbroker.watched)
- RETURNS SETOF text[]
+ RETURNS TABLE(columns text[], range_column text)
  LANGUAGE sql
  STABLE
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-    SELECT f.columns FROM pgbroker.filter_shape f
+    SELECT f.columns, f.range_column FROM pgbroker.filter_shape f
      WHERE f.watch_id = p_watch.watch_id
-       AND NOT EXISTS (SELECT FROM unnest(f.columns) AS c
+       AND NOT EXISTS (SELECT FROM unnest(array_remove(f.columns || f.range_column, '')) AS c
                         WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a
                                            WHERE a.attrelid = p_watch.relid AND a.attname = c AND a.attnum > 0
                                              AND NOT a.attisdropped))
-     ORDER BY f.columns
+     ORDER BY f.columns, f.range_column
 $function$;
-COMMENT ON FUNCTION pgbroker._watch_shapes(pgbroker.watched) IS 'Internal: the shapes (sorted column names) of the filters of a watched table whose columns all exist.';
+COMMENT ON FUNCTION pgbroker._watch_shapes(pgbroker.watched) IS 'Internal: the shapes (sorted equality columns, and the range''s column or empty) of the filters of a watched table whose columns all exist.';
 REVOKE ALL ON FUNCTION pgbroker._watch_shapes(pgbroker.watched) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL::jsonb, name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint, wait interval DEFAULT '00:00:05'::interval, filter jsonb DEFAULT NULL::jsonb)
  RETURNS boolean
@@ -754,15 +809,17 @@ AS $function$
                                 ORDER BY 1) END AS clients,
                f.left_clients
           FROM pgbroker.outbox o
-          -- A row of a table with filters: the subscribers of its key, of the whole table and of its points
-          -- after the change, and those of its points before it only, who saw it leave (as the triggers do).
+          -- A row of a table with filters: the subscribers of its key, of the whole table and of the keys its
+          -- points match after the change, and those of the keys its points before it match only, who saw it
+          -- leave (as the triggers do).
           LEFT JOIN LATERAL (
                SELECT array_agg(m.c ORDER BY m.c) AS clients, array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
                  FROM (SELECT x.c, bool_and(p.old) AS gone
                          FROM (SELECT q.key, bool_and(q.old) AS old
-                                 FROM (SELECT k, false FROM unnest(o.new_points || ARRAY[o.row_key, 'null'::jsonb]) AS k
+                                 FROM (SELECT k, false
+                                         FROM unnest(pgbroker._filter_keys(o.watch_id, o.new_points) || ARRAY[o.row_key, 'null'::jsonb]) AS k
                                        UNION ALL
-                                       SELECT k, true FROM unnest(o.old_points) AS k) AS q (key, old)
+                                       SELECT k, true FROM unnest(pgbroker._filter_keys(o.watch_id, o.old_points)) AS k) AS q (key, old)
                                 GROUP BY q.key) p
                          JOIN pgbroker.interest i
                            ON i.watch_id = o.watch_id AND i.row_key = p.key AND i.name = p_name AND i.epoch = p_epoch
@@ -899,8 +956,12 @@ DECLARE
     v_filtered jsonb := '{}';
 BEGIN
     IF v_np IS NOT NULL THEN
-        -- A table with filters: the changes with the rows' points (old_points for U only).
-        v_filtered := jsonb_build_object(
+        -- A table with filters: the changes with the rows' points (old_points for U only), and, with ranges, the
+        -- keys those match ({{keys}}points{{keys_end}}: _filter_keys).
+        v_filtered := CASE WHEN EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch) AS f WHERE f.range_column <> '')
+                           THEN jsonb_build_object('keys', format('pgbroker._filter_keys(%s, ', p_watch.watch_id), 'keys_end', ')')
+                           ELSE jsonb_build_object('keys', '', 'keys_end', '') END
+                      || jsonb_build_object(
             'ins_fchanges', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
                      NULL::jsonb[] AS old_points FROM pgbroker_new n$q$, r ->> 'new_key', v_np),
             'del_fchanges', format($q$SELECT 'D'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
@@ -1169,6 +1230,224 @@ BEGIN
 END
 $function$;
 
+CREATE OR REPLACE FUNCTION pgbroker._filter_keys(p_watch_id integer, p_points jsonb[])
+ RETURNS jsonb[]
+ LANGUAGE plpgsql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF NOT EXISTS (SELECT FROM unnest(p_points) AS p WHERE p ? '') THEN
+        RETURN p_points;
+    END IF;
+    RETURN ARRAY(SELECT p FROM unnest(p_points) AS p WHERE NOT p ? ''
+                 UNION
+                 SELECT j.row_key
+                   FROM unnest(p_points) AS p
+                   JOIN pgbroker.interest j
+                     ON j.range_box @> pgbroker._range_probe(p_watch_id, p)
+                    AND j.watch_id = p_watch_id
+                    AND j.row_key -> '' -> 0 = p -> '' -> 0
+                    AND j.row_key - '' - (p -> '' ->> 0) = p - '' - (p -> '' ->> 0)
+                    AND pgbroker._range_holds(j.row_key -> (p -> '' ->> 0), p -> '' ->> 2, p -> (p -> '' ->> 0))
+                  WHERE p ? '');
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._filter_keys(integer,jsonb[]) IS 'Internal: the subscription keys matched by a changed row''s filter points: the points of equality, and the keys of the ranges containing its range probes'' values.';
+REVOKE ALL ON FUNCTION pgbroker._filter_keys(integer,jsonb[]) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._filter_ranges(p_watch pgbroker.watched, p_pos bigint[], p_cols text[], p_vals jsonb[], p_bulk boolean, OUT positions bigint[], OUT parts jsonb[], OUT columns text[])
+ RETURNS record
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+ SET "TimeZone" TO 'UTC'
+ SET "IntervalStyle" TO 'postgres'
+ SET extra_float_digits TO '1'
+AS $function$
+DECLARE
+    v_bad record;
+    v_col record;
+    v_pos bigint[];
+    v_parts jsonb[];
+    v_empty bigint;
+    v_state text;
+    v_message text;
+BEGIN
+    SELECT u.i, array_agg(u.col ORDER BY u.col) AS cols INTO v_bad
+      FROM unnest(p_pos, p_cols, p_vals) AS u(i, col, v)
+     WHERE jsonb_typeof(u.v) = 'object' AND NOT (u.v ? 'eq' OR u.v ? 'in')
+     GROUP BY u.i HAVING count(*) > 1
+     ORDER BY u.i LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION '%: columns % both have a range: a filter may have one', pgbroker._filter_where(p_bulk, v_bad.i),
+                array_to_string(ARRAY(SELECT quote_ident(c) FROM unnest(v_bad.cols) AS c), ' and ')
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Subscribe to one filter per range and filter the rest in the client.';
+    END IF;
+    positions := '{}';
+    parts := '{}';
+    columns := '{}';
+    FOR v_col IN SELECT u.col, a.atttypid::regtype AS typ, pgbroker._range_class(a.atttypid) AS class,
+                        array_agg(u.i ORDER BY u.i) AS pos, array_agg(u.v ORDER BY u.i) AS conds
+                   FROM unnest(p_pos, p_cols, p_vals) AS u(i, col, v)
+                   JOIN pg_catalog.pg_attribute a ON a.attrelid = p_watch.relid AND a.attname = u.col
+                  WHERE jsonb_typeof(u.v) = 'object' AND NOT (u.v ? 'eq' OR u.v ? 'in')
+                  GROUP BY u.col, a.atttypid
+                  ORDER BY min(u.i) LOOP
+        IF v_col.class IS NULL THEN
+            RAISE EXCEPTION '%: column % has type %, which ranges cannot filter', pgbroker._filter_where(p_bulk, v_col.pos[1]),
+                    quote_ident(v_col.col), v_col.typ
+                USING ERRCODE = 'PB023',
+                      HINT = 'A range filters a column of an integer, numeric, floating-point, date or timestamp type.';
+        END IF;
+        BEGIN
+            EXECUTE format($q$
+                SELECT array_agg(x.i ORDER BY x.i),
+                       array_agg(jsonb_build_object($3, x.bounds, '', jsonb_build_array($3, x.lo, x.hi, $4)) ORDER BY x.i),
+                       min(x.i) FILTER (WHERE x.empty)
+                  FROM (SELECT u.i,
+                               jsonb_strip_nulls(jsonb_build_object('gt', to_jsonb(b.gt), 'gte', to_jsonb(b.gte),
+                                                                    'lt', to_jsonb(b.lt), 'lte', to_jsonb(b.lte))) AS bounds,
+                               to_jsonb(%2$s) AS lo, to_jsonb(%3$s) AS hi,
+                               coalesce(coalesce(b.gt, b.gte) > coalesce(b.lt, b.lte)
+                                        OR (coalesce(b.gt, b.gte) = coalesce(b.lt, b.lte) AND num_nonnulls(b.gt, b.lt) > 0),
+                                        false) AS empty
+                          FROM unnest($1, $2) AS u(i, c)
+                         CROSS JOIN LATERAL (SELECT (u.c ->> 'gt')::%1$s AS gt, (u.c ->> 'gte')::%1$s AS gte,
+                                                    (u.c ->> 'lt')::%1$s AS lt, (u.c ->> 'lte')::%1$s AS lte) b) x$q$,
+                           v_col.typ, pgbroker._range_float(v_col.class, 'coalesce(b.gt, b.gte)'),
+                           pgbroker._range_float(v_col.class, 'coalesce(b.lt, b.lte)'))
+               INTO v_pos, v_parts, v_empty USING v_col.pos, v_col.conds, v_col.col, v_col.class;
+        EXCEPTION WHEN data_exception OR integrity_constraint_violation THEN
+            -- Which bound: one at a time, in order, for the message.
+            FOR v_bad IN SELECT u.i, b.key AS op, b.value AS v FROM unnest(v_col.pos, v_col.conds) AS u(i, c),
+                                jsonb_each(u.c) AS b ORDER BY u.i, b.key LOOP
+                BEGIN
+                    EXECUTE format('SELECT %L::%s', v_bad.v #>> '{}', v_col.typ);
+                EXCEPTION WHEN data_exception OR integrity_constraint_violation THEN
+                    GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT;
+                    RAISE EXCEPTION '%: bound % (%) of column % does not cast to its type %: %',
+                            pgbroker._filter_where(p_bulk, v_bad.i), v_bad.v, v_bad.op, quote_ident(v_col.col), v_col.typ,
+                            v_message
+                        USING ERRCODE = v_state;
+                END;
+            END LOOP;
+            RAISE;  -- cannot happen: no bound alone fails
+        END;
+        IF v_empty IS NOT NULL THEN
+            RAISE EXCEPTION '%: the range of column % is empty (%)', pgbroker._filter_where(p_bulk, v_empty),
+                    quote_ident(v_col.col), (SELECT u.c FROM unnest(v_col.pos, v_col.conds) AS u(i, c) WHERE u.i = v_empty LIMIT 1)
+                USING ERRCODE = 'invalid_parameter_value', HINT = 'No value is above its lower bound and below its upper one.';
+        END IF;
+        positions := positions || v_pos;
+        parts := parts || v_parts;
+        columns := columns || array_fill(v_col.col, ARRAY[cardinality(v_pos)]);
+    END LOOP;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._filter_ranges(pgbroker.watched,bigint[],text[],jsonb[],boolean) IS 'Internal: the ranges of filters checked, cast and encoded as parts of their points, with their positions and columns.';
+REVOKE ALL ON FUNCTION pgbroker._filter_ranges(pgbroker.watched,bigint[],text[],jsonb[],boolean) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._range_box(p_watch_id integer, p_key jsonb)
+ RETURNS box
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE
+AS $function$
+    SELECT CASE WHEN jsonb_typeof(p_key) = 'object' AND p_key ? ''
+                THEN box(point(coalesce((p_key -> '' ->> 1)::float8, -1e308), pgbroker._range_hash(p_watch_id, p_key)),
+                         point(coalesce((p_key -> '' ->> 2)::float8, 1e308), pgbroker._range_hash(p_watch_id, p_key))) END
+$function$;
+COMMENT ON FUNCTION pgbroker._range_box(integer,jsonb) IS 'Internal: the box of a range filter''s subscription key in the interest''s GiST index; NULL for other keys.';
+REVOKE ALL ON FUNCTION pgbroker._range_box(integer,jsonb) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._range_class(p_type regtype)
+ RETURNS text
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT CASE coalesce(nullif(t.typbasetype, 0), t.oid)::regtype
+               WHEN 'smallint'::regtype THEN 'numeric' WHEN 'integer'::regtype THEN 'numeric'
+               WHEN 'bigint'::regtype THEN 'numeric' WHEN 'numeric'::regtype THEN 'numeric'
+               WHEN 'real'::regtype THEN 'real' WHEN 'double precision'::regtype THEN 'double precision'
+               WHEN 'date'::regtype THEN 'date' WHEN 'timestamp without time zone'::regtype THEN 'timestamp'
+               WHEN 'timestamp with time zone'::regtype THEN 'timestamptz' END
+      FROM pg_catalog.pg_type t
+     WHERE t.oid = p_type
+$function$;
+COMMENT ON FUNCTION pgbroker._range_class(regtype) IS 'Internal: how a range filter compares values of this type (numeric, real, double precision, date, timestamp, timestamptz), or NULL for a type ranges cannot filter.';
+REVOKE ALL ON FUNCTION pgbroker._range_class(regtype) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._range_float(p_class text, p_expr text)
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$
+    -- (greatest and least ignore a NULL: the CASE keeps it NULL, outside every range.)
+    SELECT format(CASE WHEN p_class IN ('date', 'timestamp', 'timestamptz')
+                       THEN 'CASE WHEN %1$s IS NOT NULL THEN least(greatest(extract(epoch FROM %1$s), -1e308), 1e308)::float8 END'
+                       WHEN p_class = 'numeric'
+                       THEN 'CASE WHEN %1$s IS NOT NULL THEN least(greatest((%1$s)::numeric, -1e308), 1e308)::float8 END'
+                       ELSE 'CASE WHEN %1$s IS NOT NULL THEN least(greatest((%1$s)::float8, -1e308), 1e308) END' END, p_expr)
+$function$;
+COMMENT ON FUNCTION pgbroker._range_float(text,text) IS 'Internal: the SQL expression of the float8 (monotonic, within +-1e308) by which a value of a range class is placed in the GiST index.';
+REVOKE ALL ON FUNCTION pgbroker._range_float(text,text) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._range_hash(p_watch_id integer, p_key jsonb)
+ RETURNS double precision
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE
+AS $function$
+    SELECT pg_catalog.jsonb_hash(pg_catalog.jsonb_build_array(p_watch_id, p_key -> '' -> 0,
+                                                              p_key - '' - (p_key -> '' ->> 0)))::float8
+$function$;
+COMMENT ON FUNCTION pgbroker._range_hash(integer,jsonb) IS 'Internal: the y coordinate of a range key''s or a range probe''s box: a hash of the table, the range''s column and the other columns'' values.';
+REVOKE ALL ON FUNCTION pgbroker._range_hash(integer,jsonb) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._range_holds(p_range jsonb, p_class text, p_value jsonb)
+ RETURNS boolean
+ LANGUAGE sql
+ STABLE PARALLEL SAFE
+AS $function$
+    SELECT coalesce(CASE p_class
+        WHEN 'numeric' THEN
+            (NOT p_range ? 'gt' OR (p_value #>> '{}')::numeric > (p_range ->> 'gt')::numeric)
+            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::numeric >= (p_range ->> 'gte')::numeric)
+            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::numeric < (p_range ->> 'lt')::numeric)
+            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::numeric <= (p_range ->> 'lte')::numeric)
+        WHEN 'double precision' THEN
+            (NOT p_range ? 'gt' OR (p_value #>> '{}')::float8 > (p_range ->> 'gt')::float8)
+            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::float8 >= (p_range ->> 'gte')::float8)
+            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::float8 < (p_range ->> 'lt')::float8)
+            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::float8 <= (p_range ->> 'lte')::float8)
+        WHEN 'real' THEN
+            (NOT p_range ? 'gt' OR (p_value #>> '{}')::real > (p_range ->> 'gt')::real)
+            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::real >= (p_range ->> 'gte')::real)
+            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::real < (p_range ->> 'lt')::real)
+            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::real <= (p_range ->> 'lte')::real)
+        WHEN 'date' THEN
+            (NOT p_range ? 'gt' OR (p_value #>> '{}')::date > (p_range ->> 'gt')::date)
+            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::date >= (p_range ->> 'gte')::date)
+            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::date < (p_range ->> 'lt')::date)
+            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::date <= (p_range ->> 'lte')::date)
+        WHEN 'timestamp' THEN
+            (NOT p_range ? 'gt' OR (p_value #>> '{}')::timestamp > (p_range ->> 'gt')::timestamp)
+            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::timestamp >= (p_range ->> 'gte')::timestamp)
+            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::timestamp < (p_range ->> 'lt')::timestamp)
+            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::timestamp <= (p_range ->> 'lte')::timestamp)
+        -- Encoded with their offset (+00:00): the session's TimeZone does not enter.
+        WHEN 'timestamptz' THEN
+            (NOT p_range ? 'gt' OR (p_value #>> '{}')::timestamptz > (p_range ->> 'gt')::timestamptz)
+            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::timestamptz >= (p_range ->> 'gte')::timestamptz)
+            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::timestamptz < (p_range ->> 'lt')::timestamptz)
+            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::timestamptz <= (p_range ->> 'lte')::timestamptz)
+        END, false)
+$function$;
+COMMENT ON FUNCTION pgbroker._range_holds(jsonb,text,jsonb) IS 'Internal: whether an encoded value is within a range filter''s bounds, compared exactly as its class.';
+REVOKE ALL ON FUNCTION pgbroker._range_holds(jsonb,text,jsonb) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._range_probe(p_watch_id integer, p_probe jsonb)
+ RETURNS box
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE
+AS $function$
+    SELECT box(point((p_probe -> '' ->> 1)::float8, pgbroker._range_hash(p_watch_id, p_probe)),
+               point((p_probe -> '' ->> 1)::float8, pgbroker._range_hash(p_watch_id, p_probe)))
+$function$;
+COMMENT ON FUNCTION pgbroker._range_probe(integer,jsonb) IS 'Internal: the box (a point) of a changed row''s range probe in the interest''s GiST index.';
+REVOKE ALL ON FUNCTION pgbroker._range_probe(integer,jsonb) FROM PUBLIC;
 -- ---------------------------------------------------------------------------
 -- Hand-written (begin): after the functions.
 CREATE TRIGGER _600_render
@@ -1182,8 +1461,9 @@ COMMENT ON TRIGGER _600_render ON pgbroker.filter_shape IS 'A new filter shape r
 CREATE OR REPLACE VIEW pgbroker.subscriptions AS
 SELECT c.name, c.client_id, w.relid::regclass AS "table",
        CASE WHEN jsonb_typeof(s.row_key) NOT IN ('null', 'object') THEN s.row_key END AS key, s.subscribed_at,
-       -- A filter's points are keys that are JSON objects (350_filters.sql), which no row's key is.
-       CASE WHEN jsonb_typeof(s.row_key) = 'object' THEN s.row_key END AS filter
+       -- A filter's points are keys that are JSON objects (350_filters.sql), which no row's key is; a range's
+       -- member "" is for the index.
+       CASE WHEN jsonb_typeof(s.row_key) = 'object' THEN s.row_key - '' END AS filter
   FROM (SELECT l.name, l.epoch FROM pgbroker.lease l
          WHERE CASE WHEN (NOT EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease')
                           OR pgbroker.name_allowed('lease', l.name)) THEN pgbroker.broker_alive(l.name) END
@@ -1192,7 +1472,15 @@ SELECT c.name, c.client_id, w.relid::regclass AS "table",
   JOIN pgbroker.subscription s ON s.client_key = c.client_key
   JOIN pgbroker.watched w ON w.watch_id = s.watch_id;
 COMMENT ON COLUMN pgbroker.subscriptions.key IS 'The row key (jsonb), NULL for a whole-table subscription or one by filter.';
-COMMENT ON COLUMN pgbroker.subscriptions.filter IS 'For a subscription by filter: one point of the filter, a JSON object of column values ({"team": 7}; a filter with "in" has a row per value); NULL otherwise.';
+COMMENT ON COLUMN pgbroker.subscriptions.filter IS 'For a subscription by filter: one point of the filter, a JSON object of column values and at most one range ({"team": 7, "price": {"gte": 10}}; a filter with "in" has a row per value); NULL otherwise.';
+
+-- The interest's box of range filters, and its GiST index (ACCESS
+-- EXCLUSIVE on the interest, held to commit, as the outbox's below: a
+-- nullable column without a default rewrites nothing; the index, partial,
+-- reads the interest once and holds none of its rows).
+ALTER TABLE pgbroker.interest ADD COLUMN range_box box;
+COMMENT ON COLUMN pgbroker.interest.range_box IS 'For a range filter''s key: its bounds (x) and its table, column and other columns'' values (a hash, y), for the GiST probe; NULL otherwise.';
+CREATE INDEX interest_range ON pgbroker.interest USING gist (range_box) WHERE range_box IS NOT NULL;
 
 -- Last: the outbox's new columns (ACCESS EXCLUSIVE on the outbox, held to
 -- commit: writers of watched tables wait from here to the commit; nullable
