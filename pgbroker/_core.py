@@ -170,6 +170,10 @@ SELECT n.nspname, c.relname, array_agg(a.attname::text ORDER BY k.ord)
  GROUP BY n.nspname, c.relname"""
 
 
+# A range's operators in a filter, and their SQL.
+RANGE_OPERATORS = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
+
+
 def filter_rows_query(
     schema: str, table: str, key_columns: list[str], flt: dict[str, Any]
 ) -> tuple[psycopg.sql.Composed, dict[str, Any]]:
@@ -177,8 +181,8 @@ def filter_rows_query(
     order, as ``jsonb``; and its parameters.
 
     Each column's values are cast to its type by ``jsonb_populate_record`` on the table's own row type (``"7"`` is 7
-    of an integer column, as in the filter's subscription); a JSON null matches NULL.  Column names are only ever
-    quoted identifiers; an unknown one is the server's 42703.
+    of an integer column, as in the filter's subscription); a JSON null matches NULL, and no range.  Column names
+    are only ever quoted identifiers; an unknown one is the server's 42703.
     """
     from pgbroker.errors import InvalidArgument
 
@@ -187,20 +191,40 @@ def filter_rows_query(
     tbl = psycopg.sql.Identifier(schema, table)
     conds, params = [], {}
     for n, (column, condition) in enumerate(sorted(flt.items())):
+        col = psycopg.sql.Identifier(column)
+        if isinstance(condition, dict) and condition and set(condition) <= set(RANGE_OPERATORS):
+            # A range: each bound cast as the values are; NULL is in no range.
+            for op, bound in sorted(condition.items()):
+                conds.append(
+                    psycopg.sql.SQL(
+                        "t.{col} {op} (pg_catalog.jsonb_populate_record(NULL::{tbl},"
+                        " pg_catalog.jsonb_build_object({name}, {param}::jsonb))).{col}"
+                    ).format(
+                        col=col,
+                        op=psycopg.sql.SQL(RANGE_OPERATORS[op]),
+                        tbl=tbl,
+                        name=psycopg.sql.Literal(column),
+                        param=psycopg.sql.Placeholder(f"v{n}{op}"),
+                    )
+                )
+                params[f"v{n}{op}"] = Jsonb(bound)
+            continue
         if isinstance(condition, dict):
             if list(condition) == ["in"] and isinstance(condition["in"], list) and condition["in"]:
                 values = condition["in"]
             elif list(condition) == ["eq"]:
                 values = [condition["eq"]]
             else:
-                raise InvalidArgument(f"column {column}: a condition is a value, {{'eq': value}} or {{'in': [...]}}")
+                raise InvalidArgument(
+                    f"column {column}: a condition is a value, {{'eq': value}}, {{'in': [...]}} or a range"
+                    " ({'gte': 10, 'lt': 20})"
+                )
         elif isinstance(condition, list):
             raise InvalidArgument(
                 f"column {column}: several values are {{'in': [...]}}, an array value {{'eq': [...]}}"
             )
         else:
             values = [condition]
-        col = psycopg.sql.Identifier(column)
         cond = psycopg.sql.SQL(
             "t.{col} = ANY (ARRAY(SELECT (pg_catalog.jsonb_populate_record(NULL::{tbl},"
             " pg_catalog.jsonb_build_object({name}, v.v))).{col} FROM pg_catalog.jsonb_array_elements({param}::jsonb)"

@@ -234,5 +234,10 @@ def test_read_filter_gives_a_filter_subscribers_snapshot(db_url, connect):
         with pytest.raises(InvalidArgument):
             broker.read_filter("initech.objects", {'kind"; DROP TABLE initech.objects; --': 1})
         with pytest.raises(InvalidArgument):
-            broker.read_filter("initech.objects", {"kind": {"gt": "a"}})
+            broker.read_filter("initech.objects", {"kind": {"like": "a"}})
+        # Ranges: bounds cast as values are; with equality on another column.
+        assert [r["id"] for r in broker.read_filter("initech.objects", {"id": {"gte": "2", "lt": 4}})] == [2, 3]
+        gears = {"kind": "gear", "id": {"gt": 1}}
+        assert broker.subscribe("c", "initech.objects", filter=gears)
+        assert [r["id"] for r in broker.read_filter("initech.objects", gears)] == [3]
         assert writer.execute("SELECT count(*) FROM initech.objects").fetchone()[0] == 4
