@@ -91,8 +91,8 @@ COMMENT ON COLUMN pgbroker.interest.range_box IS 'For a range filter''s key: its
 -- table P_WATCH_ID: each point of equality itself, and for each range
 -- probe (350_filters.sql) the keys of the ranges that contain its value,
 -- of any broker: one GiST probe, the candidates compared exactly.  The
--- triggers of a table with ranges, and the fetch of rows resolved late,
--- probe the interest for these keys as for the others.
+-- fetch probes the interest for these keys of the rows it resolves late
+-- (the triggers make the same GiST probe in their own statements).
 CREATE FUNCTION pgbroker._filter_keys(p_watch_id integer, p_points jsonb[])
 RETURNS jsonb[]
 LANGUAGE plpgsql STABLE
@@ -107,11 +107,8 @@ BEGIN
                  SELECT j.row_key
                    FROM unnest(p_points) AS p
                    JOIN pgbroker.interest j
-                     ON j.range_box @> pgbroker._range_probe(p_watch_id, p)
-                    AND j.watch_id = p_watch_id
-                    AND j.row_key -> '' -> 0 = p -> '' -> 0
-                    AND j.row_key - '' - (p -> '' ->> 0) = p - '' - (p -> '' ->> 0)
-                    AND pgbroker._range_holds(j.row_key -> (p -> '' ->> 0), p -> '' ->> 2, p -> (p -> '' ->> 0))
+                     ON j.range_box @> pgbroker._range_probe(p_watch_id, p) AND j.watch_id = p_watch_id
+                    AND pgbroker._range_matches(j.row_key, p)
                   WHERE p ? '');
 END
 $$;

@@ -276,7 +276,8 @@ COMMENT ON FUNCTION pgbroker._watch_row_fanout_template() IS
 -- a U).  Each change's subscribers are those of its key, of the whole
 -- table and of its new points, and, told the row left them, those of its
 -- old points only: one index probe per key and point (the probes of points
--- that did not change are made once).  A change that matches nothing
+-- that did not change are made once), and for a range probe (a shape with
+-- a range) one GiST probe ({{range_rows}}).  A change that matches nothing
 -- writes nothing.  The same in both modes, for any size of statement.
 CREATE FUNCTION pgbroker._watch_ffanout_template()
 RETURNS text
@@ -291,13 +292,13 @@ AS $template$ SELECT $t$
                               array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
                          FROM (SELECT j.name, j.epoch, min(j.lock_key) AS lock_key, x.c, bool_and(p.old) AS gone
                                  FROM (SELECT q.key, bool_and(q.old) AS old
-                                         FROM (SELECT y, false
-                                                 FROM unnest({{keys}}k.new_points{{keys_end}} || ARRAY[k.row_key, 'null'::jsonb]) AS y
+                                         FROM (SELECT y, false FROM unnest(k.new_points || ARRAY[k.row_key, 'null'::jsonb]) AS y
                                                UNION ALL
-                                               SELECT y, true FROM unnest({{keys}}k.old_points{{keys_end}}) AS y) AS q (key, old)
+                                               SELECT y, true FROM unnest(k.old_points) AS y) AS q (key, old)
                                         GROUP BY q.key) p
                                 CROSS JOIN LATERAL (SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
-                                                     WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key OFFSET 0) j
+                                                     WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key{{range_rows}}
+                                                    OFFSET 0) j
                                 CROSS JOIN LATERAL unnest(j.clients) AS x(c)
                                 GROUP BY j.name, j.epoch, x.c) m
                         GROUP BY m.name, m.epoch) g
@@ -337,11 +338,12 @@ AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lo
             -- table and its points, those before an UPDATE only where they moved (a change that matches nothing,
             -- the common case, costs no more).
             IF EXISTS (SELECT FROM ({{fchanges}} OFFSET 0) k
-                        CROSS JOIN LATERAL unnest({{keys}}CASE WHEN k.old_points = k.new_points THEN k.new_points
-                                                               ELSE k.new_points || k.old_points END{{keys_end}}
-                                                  || ARRAY[k.row_key, 'null'::jsonb]) AS y(key)
-                        CROSS JOIN LATERAL (SELECT FROM pgbroker.interest j
-                                             WHERE j.watch_id = {{watch_id}} AND j.row_key = y.key LIMIT 1) j) THEN
+                        CROSS JOIN LATERAL unnest(CASE WHEN k.old_points = k.new_points THEN k.new_points
+                                                       ELSE k.new_points || k.old_points END
+                                                  || ARRAY[k.row_key, 'null'::jsonb]) AS p(key)
+                        CROSS JOIN LATERAL (SELECT 1 FROM pgbroker.interest j
+                                             WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key{{range_exists}}
+                                            LIMIT 1) j) THEN
 {{ffanout}};
             END IF;
         ELSE
@@ -539,10 +541,22 @@ DECLARE
 BEGIN
     IF v_np IS NOT NULL THEN
         -- A table with filters: the changes with the rows' points (old_points for U only), and, with ranges, the
-        -- keys those match ({{keys}}points{{keys_end}}: _filter_keys).
+        -- interest rows of the ranges a probe p.key falls in (one GiST probe; 350_filters.sql) beside those of
+        -- the key p.key (range_rows; range_exists: whether there is one).
         v_filtered := CASE WHEN EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch) AS f WHERE f.range_column <> '')
-                           THEN jsonb_build_object('keys', format('pgbroker._filter_keys(%s, ', p_watch.watch_id), 'keys_end', ')')
-                           ELSE jsonb_build_object('keys', '', 'keys_end', '') END
+                           THEN jsonb_build_object('range_rows', format($q$
+                                                     UNION ALL
+                                                     SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
+                                                      WHERE p.key ? '' AND j.range_box @> pgbroker._range_probe(%1$s, p.key)
+                                                        AND j.watch_id = %1$s AND pgbroker._range_matches(j.row_key, p.key)$q$,
+                                                                              p_watch.watch_id),
+                                                   'range_exists', format($q$
+                                             UNION ALL
+                                             SELECT 1 FROM pgbroker.interest j
+                                              WHERE p.key ? '' AND j.range_box @> pgbroker._range_probe(%1$s, p.key)
+                                                AND j.watch_id = %1$s AND pgbroker._range_matches(j.row_key, p.key)$q$,
+                                                                          p_watch.watch_id))
+                           ELSE jsonb_build_object('range_rows', '', 'range_exists', '') END
                       || jsonb_build_object(
             'ins_fchanges', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
                      NULL::jsonb[] AS old_points FROM pgbroker_new n$q$, r ->> 'new_key', v_np),
@@ -710,7 +724,7 @@ BEGIN
                                   -- statistics say (a plan made while it held a few hundred rows scanned them for
                                   -- each key: 2x the CPU of an UPDATE), and no plan is JIT-compiled (estimates
                                   -- grow with the statement's rows and the shapes; a disabled scan costs 1e10).
-                                  WHEN v_filtered THEN v_settings || ' SET enable_seqscan = off SET jit = off'
+                                  WHEN v_filtered THEN v_settings || ' SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off'
                                   ELSE v_settings END,
                        pgbroker._watch_function_body(p_watch, v_kind));
         EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,

@@ -73,6 +73,7 @@ DROP FUNCTION pgbroker._range_float(text,text);
 DROP FUNCTION pgbroker._range_hash(integer,jsonb);
 DROP FUNCTION pgbroker._range_holds(jsonb,text,jsonb);
 DROP FUNCTION pgbroker._range_probe(integer,jsonb);
+DROP FUNCTION pgbroker._range_matches(jsonb,jsonb);
 CREATE OR REPLACE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL::jsonb, name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint, wait interval DEFAULT '00:00:05'::interval)
  RETURNS boolean
  LANGUAGE plpgsql

@@ -475,7 +475,7 @@ BEGIN
                                   -- statistics say (a plan made while it held a few hundred rows scanned them for
                                   -- each key: 2x the CPU of an UPDATE), and no plan is JIT-compiled (estimates
                                   -- grow with the statement's rows and the shapes; a disabled scan costs 1e10).
-                                  WHEN v_filtered THEN v_settings || ' SET enable_seqscan = off SET jit = off'
+                                  WHEN v_filtered THEN v_settings || ' SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off'
                                   ELSE v_settings END,
                        pgbroker._watch_function_body(p_watch, v_kind));
         EXECUTE format('COMMENT ON FUNCTION %s() IS %L', v_fn,
@@ -501,13 +501,13 @@ AS $function$ SELECT $t$
                               array_agg(m.c ORDER BY m.c) FILTER (WHERE m.gone) AS left_clients
                          FROM (SELECT j.name, j.epoch, min(j.lock_key) AS lock_key, x.c, bool_and(p.old) AS gone
                                  FROM (SELECT q.key, bool_and(q.old) AS old
-                                         FROM (SELECT y, false
-                                                 FROM unnest({{keys}}k.new_points{{keys_end}} || ARRAY[k.row_key, 'null'::jsonb]) AS y
+                                         FROM (SELECT y, false FROM unnest(k.new_points || ARRAY[k.row_key, 'null'::jsonb]) AS y
                                                UNION ALL
-                                               SELECT y, true FROM unnest({{keys}}k.old_points{{keys_end}}) AS y) AS q (key, old)
+                                               SELECT y, true FROM unnest(k.old_points) AS y) AS q (key, old)
                                         GROUP BY q.key) p
                                 CROSS JOIN LATERAL (SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
-                                                     WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key OFFSET 0) j
+                                                     WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key{{range_rows}}
+                                                    OFFSET 0) j
                                 CROSS JOIN LATERAL unnest(j.clients) AS x(c)
                                 GROUP BY j.name, j.epoch, x.c) m
                         GROUP BY m.name, m.epoch) g
@@ -539,11 +539,12 @@ AS $function$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lo
             -- table and its points, those before an UPDATE only where they moved (a change that matches nothing,
             -- the common case, costs no more).
             IF EXISTS (SELECT FROM ({{fchanges}} OFFSET 0) k
-                        CROSS JOIN LATERAL unnest({{keys}}CASE WHEN k.old_points = k.new_points THEN k.new_points
-                                                               ELSE k.new_points || k.old_points END{{keys_end}}
-                                                  || ARRAY[k.row_key, 'null'::jsonb]) AS y(key)
-                        CROSS JOIN LATERAL (SELECT FROM pgbroker.interest j
-                                             WHERE j.watch_id = {{watch_id}} AND j.row_key = y.key LIMIT 1) j) THEN
+                        CROSS JOIN LATERAL unnest(CASE WHEN k.old_points = k.new_points THEN k.new_points
+                                                       ELSE k.new_points || k.old_points END
+                                                  || ARRAY[k.row_key, 'null'::jsonb]) AS p(key)
+                        CROSS JOIN LATERAL (SELECT 1 FROM pgbroker.interest j
+                                             WHERE j.watch_id = {{watch_id}} AND j.row_key = p.key{{range_exists}}
+                                            LIMIT 1) j) THEN
 {{ffanout}};
             END IF;
         ELSE
@@ -957,10 +958,22 @@ DECLARE
 BEGIN
     IF v_np IS NOT NULL THEN
         -- A table with filters: the changes with the rows' points (old_points for U only), and, with ranges, the
-        -- keys those match ({{keys}}points{{keys_end}}: _filter_keys).
+        -- interest rows of the ranges a probe p.key falls in (one GiST probe; 350_filters.sql) beside those of
+        -- the key p.key (range_rows; range_exists: whether there is one).
         v_filtered := CASE WHEN EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch) AS f WHERE f.range_column <> '')
-                           THEN jsonb_build_object('keys', format('pgbroker._filter_keys(%s, ', p_watch.watch_id), 'keys_end', ')')
-                           ELSE jsonb_build_object('keys', '', 'keys_end', '') END
+                           THEN jsonb_build_object('range_rows', format($q$
+                                                     UNION ALL
+                                                     SELECT j.name, j.epoch, j.lock_key, j.clients FROM pgbroker.interest j
+                                                      WHERE p.key ? '' AND j.range_box @> pgbroker._range_probe(%1$s, p.key)
+                                                        AND j.watch_id = %1$s AND pgbroker._range_matches(j.row_key, p.key)$q$,
+                                                                              p_watch.watch_id),
+                                                   'range_exists', format($q$
+                                             UNION ALL
+                                             SELECT 1 FROM pgbroker.interest j
+                                              WHERE p.key ? '' AND j.range_box @> pgbroker._range_probe(%1$s, p.key)
+                                                AND j.watch_id = %1$s AND pgbroker._range_matches(j.row_key, p.key)$q$,
+                                                                          p_watch.watch_id))
+                           ELSE jsonb_build_object('range_rows', '', 'range_exists', '') END
                       || jsonb_build_object(
             'ins_fchanges', format($q$SELECT 'I'::"char" AS op, %s AS row_key, NULL::text[] AS changed, %s AS new_points,
                      NULL::jsonb[] AS old_points FROM pgbroker_new n$q$, r ->> 'new_key', v_np),
@@ -1245,11 +1258,8 @@ BEGIN
                  SELECT j.row_key
                    FROM unnest(p_points) AS p
                    JOIN pgbroker.interest j
-                     ON j.range_box @> pgbroker._range_probe(p_watch_id, p)
-                    AND j.watch_id = p_watch_id
-                    AND j.row_key -> '' -> 0 = p -> '' -> 0
-                    AND j.row_key - '' - (p -> '' ->> 0) = p - '' - (p -> '' ->> 0)
-                    AND pgbroker._range_holds(j.row_key -> (p -> '' ->> 0), p -> '' ->> 2, p -> (p -> '' ->> 0))
+                     ON j.range_box @> pgbroker._range_probe(p_watch_id, p) AND j.watch_id = p_watch_id
+                    AND pgbroker._range_matches(j.row_key, p)
                   WHERE p ? '');
 END
 $function$;
@@ -1392,17 +1402,18 @@ CREATE OR REPLACE FUNCTION pgbroker._range_hash(p_watch_id integer, p_key jsonb)
  LANGUAGE sql
  IMMUTABLE PARALLEL SAFE
 AS $function$
-    SELECT pg_catalog.jsonb_hash(pg_catalog.jsonb_build_array(p_watch_id, p_key -> '' -> 0,
-                                                              p_key - '' - (p_key -> '' ->> 0)))::float8
+    SELECT (pg_catalog.jsonb_hash(p_key - '' - (p_key -> '' ->> 0)) # pg_catalog.hashtext(p_key -> '' ->> 0)
+            # p_watch_id)::float8
 $function$;
 COMMENT ON FUNCTION pgbroker._range_hash(integer,jsonb) IS 'Internal: the y coordinate of a range key''s or a range probe''s box: a hash of the table, the range''s column and the other columns'' values.';
 REVOKE ALL ON FUNCTION pgbroker._range_hash(integer,jsonb) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION pgbroker._range_holds(p_range jsonb, p_class text, p_value jsonb)
  RETURNS boolean
- LANGUAGE sql
+ LANGUAGE plpgsql
  STABLE PARALLEL SAFE
 AS $function$
-    SELECT coalesce(CASE p_class
+BEGIN
+    RETURN coalesce(CASE p_class
         WHEN 'numeric' THEN
             (NOT p_range ? 'gt' OR (p_value #>> '{}')::numeric > (p_range ->> 'gt')::numeric)
             AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::numeric >= (p_range ->> 'gte')::numeric)
@@ -1434,7 +1445,8 @@ AS $function$
             AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::timestamptz >= (p_range ->> 'gte')::timestamptz)
             AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::timestamptz < (p_range ->> 'lt')::timestamptz)
             AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::timestamptz <= (p_range ->> 'lte')::timestamptz)
-        END, false)
+        END, false);
+END
 $function$;
 COMMENT ON FUNCTION pgbroker._range_holds(jsonb,text,jsonb) IS 'Internal: whether an encoded value is within a range filter''s bounds, compared exactly as its class.';
 REVOKE ALL ON FUNCTION pgbroker._range_holds(jsonb,text,jsonb) FROM PUBLIC;
@@ -1448,6 +1460,17 @@ AS $function$
 $function$;
 COMMENT ON FUNCTION pgbroker._range_probe(integer,jsonb) IS 'Internal: the box (a point) of a changed row''s range probe in the interest''s GiST index.';
 REVOKE ALL ON FUNCTION pgbroker._range_probe(integer,jsonb) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._range_matches(p_key jsonb, p_probe jsonb)
+ RETURNS boolean
+ LANGUAGE sql
+ STABLE PARALLEL SAFE
+AS $function$
+    SELECT p_key -> '' -> 0 = p_probe -> '' -> 0
+           AND p_key - '' - (p_probe -> '' ->> 0) = p_probe - '' - (p_probe -> '' ->> 0)
+           AND pgbroker._range_holds(p_key -> (p_probe -> '' ->> 0), p_probe -> '' ->> 2, p_probe -> (p_probe -> '' ->> 0))
+$function$;
+COMMENT ON FUNCTION pgbroker._range_matches(jsonb,jsonb) IS 'Internal: whether a range filter''s key (a GiST candidate) holds a changed row''s range probe: same column, same other values, value within the bounds.';
+REVOKE ALL ON FUNCTION pgbroker._range_matches(jsonb,jsonb) FROM PUBLIC;
 -- ---------------------------------------------------------------------------
 -- Hand-written (begin): after the functions.
 CREATE TRIGGER _600_render

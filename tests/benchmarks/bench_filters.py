@@ -25,6 +25,9 @@ b) the CPU per UPDATE of a row matching k = 1, 10 and 100 filter
 c) bulk filter subscription: ``subscribe_filters`` of 100,000 filters in
    batches of 10,000 (the clients registered first).  Target: at least
    50,000 filters/s;
+b') the same with range filters (``{"team": {"gte": -k, "lte": -k}}``; the
+   others ``{"team": {"gte": v, "lt": v + 1}}``) on a twin table, the same
+   clients: a GiST probe among all the ranges of the column (target as b);
 d) the peer design, beside (b): a trigger that evaluates every filter
    subscription row by row for each changed row (what Supabase Realtime's
    WALRUS does per change), at 1,000, 10,000 and 100,000 subscriptions:
@@ -306,7 +309,7 @@ END $$;
 
 def by_size(url: str, scale: float, updates: int) -> dict[str, Any]:
     """(b) pgbroker and (d) the peer: CPU per UPDATE matching k subscriptions, at each total size."""
-    out: dict[str, Any] = {"pgbroker": {}, "peer": {}}
+    out: dict[str, Any] = {"pgbroker": {}, "ranges": {}, "peer": {}}
     with psycopg.connect(url, autocommit=True) as admin, psycopg.connect(url, autocommit=True) as broker:
         broker.execute("SELECT pgbroker.broker_claim(%s)", (LEASE,))
         broker.execute("SELECT pgbroker.broker_wake(%s)", (LEASE,))
@@ -316,6 +319,7 @@ def by_size(url: str, scale: float, updates: int) -> dict[str, Any]:
             admin.execute("DROP SCHEMA IF EXISTS bench CASCADE")
             admin.execute("CREATE SCHEMA bench")
             _table(admin, "t", 1000)
+            _table(admin, "r", 1000)
             admin.execute("CREATE TABLE bench.p (id integer PRIMARY KEY, team integer NOT NULL, v integer NOT NULL)")
             admin.execute("INSERT INTO bench.p SELECT i, 0, 0 FROM generate_series(1, 1000) i")
             admin.execute(PEER_SQL)
@@ -331,6 +335,20 @@ def by_size(url: str, scale: float, updates: int) -> dict[str, Any]:
                 pos += k
             pairs += [(ids[i], {"team": 1000 + i // 10}) for i in range(pos, n_subs)]
             _subscribe(broker, "t", pairs)
+            # The same clients by ranges on bench.r: team -k in the ranges [-k, -k] of k clients, the others in
+            # ranges of their own, [1000 + i // 10, 1001 + i // 10) (one GiST line, boxes side by side).
+            ranges = [
+                (
+                    c,
+                    {
+                        "team": {"gte": f["team"], "lte": f["team"]}
+                        if f["team"] < 0
+                        else {"gte": f["team"], "lt": f["team"] + 1}
+                    },
+                )
+                for c, f in pairs
+            ]
+            _subscribe(broker, "r", ranges)
             with admin.cursor() as cur, cur.copy("COPY bench.peer_sub FROM STDIN") as copy:
                 for c, f in pairs:
                     copy.write_row((c, "team", str(f["team"])))
@@ -339,17 +357,18 @@ def by_size(url: str, scale: float, updates: int) -> dict[str, Any]:
             n = max(5, updates // 10 // ROUNDS)  # UPDATEs a round, per k
             peer_n = max(3, min(n, int(400_000 / n_subs)))  # the peer is slow at size: fewer updates
             rows = {k: list(range(1 + 300 * i, 301 + 300 * i)) for i, k in enumerate(KS)}  # team -k: k clients
-            totals = {(design, k): [0.0, 0.0, 0] for design in ("pgbroker", "peer") for k in KS}
+            totals = {(design, k): [0.0, 0.0, 0] for design in ("pgbroker", "ranges", "peer") for k in KS}
             with psycopg.connect(url, autocommit=True) as writer:
                 for k in KS:
-                    for table in ("t", "p"):
+                    for table in ("t", "r", "p"):
                         writer.execute(f"UPDATE bench.{table} SET team = %s WHERE id = ANY (%s)", (-k, rows[k]))
                     _updates(writer, "t", rows[k][:2])  # the plans, warm
+                    _updates(writer, "r", rows[k][:2])
                 _drain(broker)
                 admin.execute("TRUNCATE bench.peer_out")
                 for _ in range(ROUNDS):
                     for k in KS:
-                        for design, table, count in (("pgbroker", "t", n), ("peer", "p", peer_n)):
+                        for design, table, count in (("pgbroker", "t", n), ("ranges", "r", n), ("peer", "p", peer_n)):
                             wall, cpu = _updates(writer, table, [rows[k][j % len(rows[k])] for j in range(count)])
                             total = totals[(design, k)]
                             total[0] += wall
@@ -360,7 +379,7 @@ def by_size(url: str, scale: float, updates: int) -> dict[str, Any]:
             for (design, k), (wall, cpu, count) in totals.items():
                 out[design].setdefault(str(k), {})[str(size)] = {"cpu_us": cpu / count * 1e6, "ms": wall / count * 1e3}
             broker.execute("SELECT pgbroker.client_unregister_many(%s::text[], name => %s)", (ids, LEASE))
-            print(f"size {size}: pgbroker {out['pgbroker']} peer {out['peer']}", flush=True)
+            print(f"size {size}: pgbroker {out['pgbroker']} ranges {out['ranges']} peer {out['peer']}", flush=True)
         broker.execute("SELECT pgbroker.broker_release(%s)", (LEASE,))
         admin.execute("DROP SCHEMA bench CASCADE")
     return out
@@ -375,10 +394,11 @@ def verdicts(data: dict[str, Any]) -> list[dict[str, Any]]:
         ("bulk filter subscription, filters/s", a["bulk"]["filters_per_s"], TARGETS["bulk_per_s"], ">="),
     ]
     small, large = str(SIZES[0]), str(SIZES[-1])
-    for k, by in data["by_size"]["pgbroker"].items():
-        ratio = by[large]["cpu_us"] / max(by[small]["cpu_us"], 1e-9)
-        out.append((f"k={k}: CPU per UPDATE at {int(large):,} / at {int(small):,} subscriptions", ratio,
-                    TARGETS["size_ratio"], "<="))  # fmt: skip
+    for design, what in (("pgbroker", "subscriptions"), ("ranges", "range subscriptions")):
+        for k, by in data["by_size"].get(design, {}).items():
+            ratio = by[large]["cpu_us"] / max(by[small]["cpu_us"], 1e-9)
+            out.append((f"k={k}: CPU per UPDATE at {int(large):,} / at {int(small):,} {what}", ratio,
+                        TARGETS["size_ratio"], "<="))  # fmt: skip
     if "latency" in data:
         for way in ("in", "out"):
             out.append((f"commit to Broker.notifications(), row moving {way}, p99 (ms)",

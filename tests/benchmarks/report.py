@@ -854,6 +854,21 @@ def filters_markdown(data: dict[str, Any]) -> str:
             + " | ".join(f"{peer[n]['cpu_us']:,.0f} us" for n in sizes)
             + " |"
         )
+    if b.get("ranges"):
+        out += [
+            "",
+            'The same with range filters on a twin table (`{"team": {"gte": -k, "lte": -k}}` for the k'
+            " clients, a range `[v, v + 1)` of its own for each other one), found by the interest's GiST index:",
+            "",
+            "| k | "
+            + " | ".join(f"ranges, {head(n)}" for n in sizes)
+            + f" | ranges, {int(large):,} / {int(small):,} |",
+            "|---|" + "---|" * (len(sizes) + 1),
+        ]
+        for k in ks:
+            ours = b["ranges"][k]
+            ratio = ours[large]["cpu_us"] / max(ours[small]["cpu_us"], 1e-9)
+            out.append(f"| {k} | " + " | ".join(f"{ours[n]['cpu_us']:,.0f} us" for n in sizes) + f" | {ratio:.2f}x |")
     bulk = a["bulk"]
     out += [
         "",
