@@ -277,7 +277,7 @@ COMMENT ON FUNCTION pgbroker._watch_row_fanout_template() IS
 -- table and of its new points, and, told the row left them, those of its
 -- old points only: one index probe per key and point (the probes of points
 -- that did not change are made once), and for a range probe (a shape with
--- a range) one GiST probe ({{range_rows}}).  A change that matches nothing
+-- a range) one SP-GiST probe ({{range_rows}}).  A change that matches nothing
 -- writes nothing.  The same in both modes, for any size of statement.
 CREATE FUNCTION pgbroker._watch_ffanout_template()
 RETURNS text
@@ -541,7 +541,7 @@ DECLARE
 BEGIN
     IF v_np IS NOT NULL THEN
         -- A table with filters: the changes with the rows' points (old_points for U only), and, with ranges, the
-        -- interest rows of the ranges a probe p.key falls in (one GiST probe; 350_filters.sql) beside those of
+        -- interest rows of the ranges a probe p.key falls in (one SP-GiST probe; 350_filters.sql) beside those of
         -- the key p.key (range_rows; range_exists: whether there is one).
         v_filtered := CASE WHEN EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch) AS f WHERE f.range_column <> '')
                            THEN jsonb_build_object('range_rows', format($q$

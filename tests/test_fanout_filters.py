@@ -180,7 +180,7 @@ def test_ranges_of_each_class_move_rows_in_and_out(connect, watch_mode):
 
 
 def test_a_change_probes_only_the_ranges_of_its_point(connect):
-    """10,000 ranges of 1,000 teams: a change reads the ranges of its own team through the GiST index."""
+    """10,000 ranges of 1,000 teams: a change reads the ranges of its own team through the SP-GiST index."""
     conn = connect()
     _setup(conn, "row", [f"c{i}" for i in range(1000)])
     conn.execute(
@@ -194,7 +194,7 @@ def test_a_change_probes_only_the_ranges_of_its_point(connect):
     assert told(conn) == [("I", 1, ("c7",), ())]  # i = 2007, 3007, 4007: teams [2, 5), [3, 6), [4, 7)
     probe = "jsonb_build_object('', jsonb_build_array('team', 4, 'numeric'), 'status', 's7', 'team', 4)"
     watch_id = "(SELECT w.watch_id FROM pgbroker.watched w WHERE w.relid = 'public.tickets'::regclass)"
-    # _filter_keys's probe, at the planner's default settings: the GiST index, for the candidates of team 4's box
+    # _filter_keys's probe, at the planner's default settings: the SP-GiST index, for the candidates of team 4's box
     # (status s7 and team 4 as the triggers make it)
     plan = "\n".join(
         r[0]
@@ -300,7 +300,7 @@ def test_a_table_whose_key_is_one_jsonb_column_refuses_filters(connect):
 def test_subscribe_by_filter_then_read_misses_no_change_under_hot_writers(connect, watch_mode):
     """Gap-free: a client that subscribes by filter, then reads the table, is told of every change committed after
     its read that its filter matched before or after, while writers move rows between filter values (the first
-    filter of each shape renders the triggers again under the writers)."""
+    filter of each shape, IN, IN and equality, a range, renders the triggers again under the writers)."""
     admin, broker = connect("admin"), connect("broker")
     admin.execute(
         "CREATE TABLE hot (id integer PRIMARY KEY, g integer NOT NULL, h integer NOT NULL, v bigint NOT NULL)"
@@ -346,6 +346,10 @@ def test_subscribe_by_filter_then_read_misses_no_change_under_hot_writers(connec
             if i % 3 == 1:  # a second shape
                 hs = rnd.randint(0, 1)
                 flt["h"] = hs
+            elif i % 3 == 2:  # a third: a range
+                lo = rnd.randint(0, 3)
+                gs = list(range(lo, rnd.randint(lo, 3) + 1))
+                flt = {"g": {"gte": lo, "lte": gs[-1]}}
             register(broker, client)
             assert subscribe(broker, client, flt, table="public.hot") is True
             seen = dict(broker.execute("SELECT id, v FROM hot"))

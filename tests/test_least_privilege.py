@@ -297,7 +297,7 @@ def test_watch_a_table_of_another_owner(profile: Profile):
             su.execute("UPDATE app.items SET v = 'c' WHERE id = 2")
             rows = broker.execute("SELECT op, key, clients, \"left\" FROM pgbroker.outbox_fetch('w')").fetchall()
             assert [r for r in rows if r[1] != 1] == [("I", 2, ["c"], None), ("U", 2, ["c"], ["c"])]
-            # A range: a new shape too, and the interest's GiST probe, as the broker's role.
+            # A range: a new shape too, and the interest's SP-GiST probe, as the broker's role.
             broker.execute(
                 """SELECT pgbroker.subscribe('c', 'app.items', filter => '{"id": {"gte": 10}}', name => 'w')"""
             )

@@ -958,7 +958,7 @@ DECLARE
 BEGIN
     IF v_np IS NOT NULL THEN
         -- A table with filters: the changes with the rows' points (old_points for U only), and, with ranges, the
-        -- interest rows of the ranges a probe p.key falls in (one GiST probe; 350_filters.sql) beside those of
+        -- interest rows of the ranges a probe p.key falls in (one SP-GiST probe; 350_filters.sql) beside those of
         -- the key p.key (range_rows; range_exists: whether there is one).
         v_filtered := CASE WHEN EXISTS (SELECT FROM pgbroker._watch_shapes(p_watch) AS f WHERE f.range_column <> '')
                            THEN jsonb_build_object('range_rows', format($q$
@@ -1364,7 +1364,7 @@ AS $function$
                 THEN box(point(coalesce((p_key -> '' ->> 1)::float8, -1e308), pgbroker._range_hash(p_watch_id, p_key)),
                          point(coalesce((p_key -> '' ->> 2)::float8, 1e308), pgbroker._range_hash(p_watch_id, p_key))) END
 $function$;
-COMMENT ON FUNCTION pgbroker._range_box(integer,jsonb) IS 'Internal: the box of a range filter''s subscription key in the interest''s GiST index; NULL for other keys.';
+COMMENT ON FUNCTION pgbroker._range_box(integer,jsonb) IS 'Internal: the box of a range filter''s subscription key in the interest''s SP-GiST index; NULL for other keys.';
 REVOKE ALL ON FUNCTION pgbroker._range_box(integer,jsonb) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION pgbroker._range_class(p_type regtype)
  RETURNS text
@@ -1395,7 +1395,7 @@ AS $function$
                        THEN 'CASE WHEN %1$s IS NOT NULL THEN least(greatest((%1$s)::numeric, -1e308), 1e308)::float8 END'
                        ELSE 'CASE WHEN %1$s IS NOT NULL THEN least(greatest((%1$s)::float8, -1e308), 1e308) END' END, p_expr)
 $function$;
-COMMENT ON FUNCTION pgbroker._range_float(text,text) IS 'Internal: the SQL expression of the float8 (monotonic, within +-1e308) by which a value of a range class is placed in the GiST index.';
+COMMENT ON FUNCTION pgbroker._range_float(text,text) IS 'Internal: the SQL expression of the float8 (monotonic, within +-1e308) by which a value of a range class is placed in the SP-GiST index.';
 REVOKE ALL ON FUNCTION pgbroker._range_float(text,text) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION pgbroker._range_hash(p_watch_id integer, p_key jsonb)
  RETURNS double precision
@@ -1412,40 +1412,36 @@ CREATE OR REPLACE FUNCTION pgbroker._range_holds(p_range jsonb, p_class text, p_
  LANGUAGE plpgsql
  STABLE PARALLEL SAFE
 AS $function$
+DECLARE
+    v text := p_value #>> '{}';
 BEGIN
-    RETURN coalesce(CASE p_class
-        WHEN 'numeric' THEN
-            (NOT p_range ? 'gt' OR (p_value #>> '{}')::numeric > (p_range ->> 'gt')::numeric)
-            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::numeric >= (p_range ->> 'gte')::numeric)
-            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::numeric < (p_range ->> 'lt')::numeric)
-            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::numeric <= (p_range ->> 'lte')::numeric)
-        WHEN 'double precision' THEN
-            (NOT p_range ? 'gt' OR (p_value #>> '{}')::float8 > (p_range ->> 'gt')::float8)
-            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::float8 >= (p_range ->> 'gte')::float8)
-            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::float8 < (p_range ->> 'lt')::float8)
-            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::float8 <= (p_range ->> 'lte')::float8)
-        WHEN 'real' THEN
-            (NOT p_range ? 'gt' OR (p_value #>> '{}')::real > (p_range ->> 'gt')::real)
-            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::real >= (p_range ->> 'gte')::real)
-            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::real < (p_range ->> 'lt')::real)
-            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::real <= (p_range ->> 'lte')::real)
-        WHEN 'date' THEN
-            (NOT p_range ? 'gt' OR (p_value #>> '{}')::date > (p_range ->> 'gt')::date)
-            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::date >= (p_range ->> 'gte')::date)
-            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::date < (p_range ->> 'lt')::date)
-            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::date <= (p_range ->> 'lte')::date)
-        WHEN 'timestamp' THEN
-            (NOT p_range ? 'gt' OR (p_value #>> '{}')::timestamp > (p_range ->> 'gt')::timestamp)
-            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::timestamp >= (p_range ->> 'gte')::timestamp)
-            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::timestamp < (p_range ->> 'lt')::timestamp)
-            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::timestamp <= (p_range ->> 'lte')::timestamp)
+    IF v IS NULL THEN
+        RETURN false;
+    ELSIF p_class = 'numeric' THEN
+        RETURN coalesce(v::numeric > (p_range ->> 'gt')::numeric, true) AND coalesce(v::numeric >= (p_range ->> 'gte')::numeric, true)
+               AND coalesce(v::numeric < (p_range ->> 'lt')::numeric, true) AND coalesce(v::numeric <= (p_range ->> 'lte')::numeric, true);
+    ELSIF p_class = 'double precision' THEN
+        RETURN coalesce(v::float8 > (p_range ->> 'gt')::float8, true) AND coalesce(v::float8 >= (p_range ->> 'gte')::float8, true)
+               AND coalesce(v::float8 < (p_range ->> 'lt')::float8, true) AND coalesce(v::float8 <= (p_range ->> 'lte')::float8, true);
+    ELSIF p_class = 'real' THEN
+        RETURN coalesce(v::real > (p_range ->> 'gt')::real, true) AND coalesce(v::real >= (p_range ->> 'gte')::real, true)
+               AND coalesce(v::real < (p_range ->> 'lt')::real, true) AND coalesce(v::real <= (p_range ->> 'lte')::real, true);
+    ELSIF p_class = 'date' THEN
+        RETURN coalesce(v::date > (p_range ->> 'gt')::date, true) AND coalesce(v::date >= (p_range ->> 'gte')::date, true)
+               AND coalesce(v::date < (p_range ->> 'lt')::date, true) AND coalesce(v::date <= (p_range ->> 'lte')::date, true);
+    ELSIF p_class = 'timestamp' THEN
+        RETURN coalesce(v::timestamp > (p_range ->> 'gt')::timestamp, true)
+               AND coalesce(v::timestamp >= (p_range ->> 'gte')::timestamp, true)
+               AND coalesce(v::timestamp < (p_range ->> 'lt')::timestamp, true)
+               AND coalesce(v::timestamp <= (p_range ->> 'lte')::timestamp, true);
+    ELSIF p_class = 'timestamptz' THEN
         -- Encoded with their offset (+00:00): the session's TimeZone does not enter.
-        WHEN 'timestamptz' THEN
-            (NOT p_range ? 'gt' OR (p_value #>> '{}')::timestamptz > (p_range ->> 'gt')::timestamptz)
-            AND (NOT p_range ? 'gte' OR (p_value #>> '{}')::timestamptz >= (p_range ->> 'gte')::timestamptz)
-            AND (NOT p_range ? 'lt' OR (p_value #>> '{}')::timestamptz < (p_range ->> 'lt')::timestamptz)
-            AND (NOT p_range ? 'lte' OR (p_value #>> '{}')::timestamptz <= (p_range ->> 'lte')::timestamptz)
-        END, false);
+        RETURN coalesce(v::timestamptz > (p_range ->> 'gt')::timestamptz, true)
+               AND coalesce(v::timestamptz >= (p_range ->> 'gte')::timestamptz, true)
+               AND coalesce(v::timestamptz < (p_range ->> 'lt')::timestamptz, true)
+               AND coalesce(v::timestamptz <= (p_range ->> 'lte')::timestamptz, true);
+    END IF;
+    RETURN false;
 END
 $function$;
 COMMENT ON FUNCTION pgbroker._range_holds(jsonb,text,jsonb) IS 'Internal: whether an encoded value is within a range filter''s bounds, compared exactly as its class.';
@@ -1458,7 +1454,7 @@ AS $function$
     SELECT box(point((p_probe -> '' ->> 1)::float8, pgbroker._range_hash(p_watch_id, p_probe)),
                point((p_probe -> '' ->> 1)::float8, pgbroker._range_hash(p_watch_id, p_probe)))
 $function$;
-COMMENT ON FUNCTION pgbroker._range_probe(integer,jsonb) IS 'Internal: the box (a point) of a changed row''s range probe in the interest''s GiST index.';
+COMMENT ON FUNCTION pgbroker._range_probe(integer,jsonb) IS 'Internal: the box (a point) of a changed row''s range probe in the interest''s SP-GiST index.';
 REVOKE ALL ON FUNCTION pgbroker._range_probe(integer,jsonb) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION pgbroker._range_matches(p_key jsonb, p_probe jsonb)
  RETURNS boolean
@@ -1469,7 +1465,7 @@ AS $function$
            AND p_key - '' - (p_probe -> '' ->> 0) = p_probe - '' - (p_probe -> '' ->> 0)
            AND pgbroker._range_holds(p_key -> (p_probe -> '' ->> 0), p_probe -> '' ->> 2, p_probe -> (p_probe -> '' ->> 0))
 $function$;
-COMMENT ON FUNCTION pgbroker._range_matches(jsonb,jsonb) IS 'Internal: whether a range filter''s key (a GiST candidate) holds a changed row''s range probe: same column, same other values, value within the bounds.';
+COMMENT ON FUNCTION pgbroker._range_matches(jsonb,jsonb) IS 'Internal: whether a range filter''s key (an SP-GiST candidate) holds a changed row''s range probe: same column, same other values, value within the bounds.';
 REVOKE ALL ON FUNCTION pgbroker._range_matches(jsonb,jsonb) FROM PUBLIC;
 -- ---------------------------------------------------------------------------
 -- Hand-written (begin): after the functions.
@@ -1497,13 +1493,13 @@ SELECT c.name, c.client_id, w.relid::regclass AS "table",
 COMMENT ON COLUMN pgbroker.subscriptions.key IS 'The row key (jsonb), NULL for a whole-table subscription or one by filter.';
 COMMENT ON COLUMN pgbroker.subscriptions.filter IS 'For a subscription by filter: one point of the filter, a JSON object of column values and at most one range ({"team": 7, "price": {"gte": 10}}; a filter with "in" has a row per value); NULL otherwise.';
 
--- The interest's box of range filters, and its GiST index (ACCESS
+-- The interest's box of range filters, and its SP-GiST index (ACCESS
 -- EXCLUSIVE on the interest, held to commit, as the outbox's below: a
 -- nullable column without a default rewrites nothing; the index, partial,
 -- reads the interest once and holds none of its rows).
 ALTER TABLE pgbroker.interest ADD COLUMN range_box box;
-COMMENT ON COLUMN pgbroker.interest.range_box IS 'For a range filter''s key: its bounds (x) and its table, column and other columns'' values (a hash, y), for the GiST probe; NULL otherwise.';
-CREATE INDEX interest_range ON pgbroker.interest USING gist (range_box) WHERE range_box IS NOT NULL;
+COMMENT ON COLUMN pgbroker.interest.range_box IS 'For a range filter''s key: its bounds (x) and its table, column and other columns'' values (a hash, y), for the SP-GiST probe; NULL otherwise.';
+CREATE INDEX interest_range ON pgbroker.interest USING spgist (range_box) WHERE range_box IS NOT NULL;
 
 -- Last: the outbox's new columns (ACCESS EXCLUSIVE on the outbox, held to
 -- commit: writers of watched tables wait from here to the commit; nullable

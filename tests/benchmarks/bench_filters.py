@@ -27,7 +27,7 @@ c) bulk filter subscription: ``subscribe_filters`` of 100,000 filters in
    50,000 filters/s;
 b') the same with range filters (``{"team": {"gte": -k, "lte": -k}}``; the
    others ``{"team": {"gte": v, "lt": v + 1}}``) on a twin table, the same
-   clients: a GiST probe among all the ranges of the column (target as b);
+   clients: an SP-GiST probe among all the ranges of the column (target as b);
 d) the peer design, beside (b): a trigger that evaluates every filter
    subscription row by row for each changed row (what Supabase Realtime's
    WALRUS does per change), at 1,000, 10,000 and 100,000 subscriptions:
@@ -336,7 +336,7 @@ def by_size(url: str, scale: float, updates: int) -> dict[str, Any]:
             pairs += [(ids[i], {"team": 1000 + i // 10}) for i in range(pos, n_subs)]
             _subscribe(broker, "t", pairs)
             # The same clients by ranges on bench.r: team -k in the ranges [-k, -k] of k clients, the others in
-            # ranges of their own, [1000 + i // 10, 1001 + i // 10) (one GiST line, boxes side by side).
+            # ranges of their own, [1000 + i // 10, 1001 + i // 10) (one SP-GiST line, boxes side by side).
             ranges = [
                 (
                     c,

@@ -858,7 +858,7 @@ def filters_markdown(data: dict[str, Any]) -> str:
         out += [
             "",
             'The same with range filters on a twin table (`{"team": {"gte": -k, "lte": -k}}` for the k'
-            " clients, a range `[v, v + 1)` of its own for each other one), found by the interest's GiST index:",
+            " clients, a range `[v, v + 1)` of its own for each other one), found by the interest's SP-GiST index:",
             "",
             "| k | "
             + " | ".join(f"ranges, {head(n)}" for n in sizes)
