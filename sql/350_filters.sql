@@ -21,14 +21,15 @@
 -- (pgbroker._range_box) in an SP-GiST index: x from the lower to the upper
 -- bound, y a hash of the table, the column and the other columns' values.
 -- A changed row's probe is the degenerate box of its value (_range_probe);
--- the boxes containing it are the candidates, and the exact comparison, in
--- the column's type, decides (_range_holds; float8 only rounds outwards).
+-- the boxes containing it are the candidates (a value within a range has
+-- its float8 within the range's: _range_float), and the exact comparison,
+-- in the column's type, decides (_range_holds).
 --
--- The set of columns of a point is its shape.  pgbroker.filter_shape lists
--- the shapes in use per watched table; the triggers of a table with shapes
--- compute, for each changed row, its point of every shape from OLD and from
--- NEW and probe the interest for them as for the row's key
--- (600_triggers.sql).  A new shape re-renders the table's trigger functions
+-- The set of columns of a point, and its range's column, is its shape.
+-- pgbroker.filter_shape lists the shapes in use per watched table; the
+-- triggers of a table with shapes compute, for each changed row, its point
+-- (or range probe) of every shape from OLD and from NEW and probe the
+-- interest for them as for the row's key (600_triggers.sql).  A new shape re-renders the table's trigger functions
 -- (under the table's lock, as watch() does): tables without shapes keep the
 -- triggers they had, and pay nothing.
 
