@@ -354,8 +354,8 @@ COMMENT ON FUNCTION pgbroker._watch_filtered_template() IS
     'Internal: template of the fan-out of the changes of a table with filters (both trigger modes).';
 
 -- The statement-level INSERT, UPDATE and DELETE trigger function of a table
--- with filters: {{filtered}} (its function is made with enable_seqscan and
--- jit off: see _watch_create_functions).
+-- with filters: {{filtered}} (its function is made with enable_seqscan,
+-- enable_bitmapscan and jit off: see _watch_create_functions).
 CREATE FUNCTION pgbroker._watch_filtered_statement_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
@@ -722,8 +722,10 @@ BEGIN
                        v_fn, CASE WHEN v_kind = 'trunc' THEN ''
                                   -- A table with filters: its probes are index probes whatever the interest's
                                   -- statistics say (a plan made while it held a few hundred rows scanned them for
-                                  -- each key: 2x the CPU of an UPDATE), and no plan is JIT-compiled (estimates
-                                  -- grow with the statement's rows and the shapes; a disabled scan costs 1e10).
+                                  -- each key: 2x the CPU of an UPDATE), a range's probe a plain index scan (a
+                                  -- bitmap's set-up cost more than the probe), and no plan is JIT-compiled
+                                  -- (estimates grow with the statement's rows and the shapes; a disabled scan
+                                  -- costs 1e10).
                                   WHEN v_filtered THEN v_settings || ' SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off'
                                   ELSE v_settings END,
                        pgbroker._watch_function_body(p_watch, v_kind));

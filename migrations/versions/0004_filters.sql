@@ -473,8 +473,10 @@ BEGIN
                        v_fn, CASE WHEN v_kind = 'trunc' THEN ''
                                   -- A table with filters: its probes are index probes whatever the interest's
                                   -- statistics say (a plan made while it held a few hundred rows scanned them for
-                                  -- each key: 2x the CPU of an UPDATE), and no plan is JIT-compiled (estimates
-                                  -- grow with the statement's rows and the shapes; a disabled scan costs 1e10).
+                                  -- each key: 2x the CPU of an UPDATE), a range's probe a plain index scan (a
+                                  -- bitmap's set-up cost more than the probe), and no plan is JIT-compiled
+                                  -- (estimates grow with the statement's rows and the shapes; a disabled scan
+                                  -- costs 1e10).
                                   WHEN v_filtered THEN v_settings || ' SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off'
                                   ELSE v_settings END,
                        pgbroker._watch_function_body(p_watch, v_kind));
