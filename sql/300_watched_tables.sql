@@ -32,7 +32,37 @@ CREATE FUNCTION pgbroker._lock_class_watch()
 RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT 1885823603 $$;
 COMMENT ON FUNCTION pgbroker._lock_class_watch() IS
-    'Internal: ''pgbs''; (class, watch_id) is try-locked shared by writers'' triggers and taken exclusively by subscribe.';
+    'Internal: ''pgbs''; (class, _lock_gate(watch_id)) is try-locked shared by writers'' triggers, and subscribe takes every gate of the watch exclusively.';
+
+-- Gates.  A lock that every writer takes shared and that one session
+-- takes exclusively to wait for them all (the watch lock, subscribe's; the
+-- drain lock, broker_sleep's) is split into 16 gates by the writer's pid:
+-- each writer locks its own gate, the exclusive side locks all 16.  Every
+-- lock acquisition and release holds the lock-manager partition of its tag
+-- (advisory locks have no fast path), so one tag for every writer is one
+-- partition lock for every writer, twice per transaction; with gates,
+-- writers meet on a tag only when their pids do modulo 16.  The second key
+-- of gate G of key K: (K mod 2^27) * 16 + G, within int4 for every K; two
+-- keys 2^27 apart share their gates, which only makes them conflict more.
+-- The exclusive side also takes the key K itself, the one tag that the
+-- triggers rendered before gates (0.1.0's) took: a writer transaction that
+-- ran them and outlives the upgrade is waited for too.
+CREATE FUNCTION pgbroker._lock_gates()
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT 16 $$;
+COMMENT ON FUNCTION pgbroker._lock_gates() IS 'Internal: how many gates a gated lock has (see sql/300_watched_tables.sql).';
+
+CREATE FUNCTION pgbroker._lock_gate_key(p_key integer, p_gate integer)
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT (p_key % 134217728) * 16 + p_gate $$;
+COMMENT ON FUNCTION pgbroker._lock_gate_key(integer, integer) IS
+    'Internal: the second key of gate p_gate (0 to 15) of the gated lock p_key.';
+
+CREATE FUNCTION pgbroker._lock_gate(p_key integer)
+RETURNS integer LANGUAGE sql STABLE PARALLEL SAFE
+AS $$ SELECT (p_key % 134217728) * 16 + pg_catalog.pg_backend_pid() % 16 $$;
+COMMENT ON FUNCTION pgbroker._lock_gate(integer) IS
+    'Internal: the second key of this session''s gate of the gated lock p_key (by its pid; inlined in the triggers).';
 
 -- ---------------------------------------------------------------------------
 -- The rights watch() and unwatch() need on a table, as PostgreSQL judges them

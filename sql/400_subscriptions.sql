@@ -195,10 +195,12 @@ COMMENT ON FUNCTION pgbroker._interest_shrink(integer[], jsonb[], text[], bigint
 -- subscription to a table whose triggers are gone or disabled would never
 -- hear of a change: triggers dropped by hand, or a dropped watched table
 -- whose oid a new table reused), then the watch lock, exclusive against
--- writers' triggers (a shared try-lock they hold to commit): writers that
--- already read the interest without us commit first; later ones either see
--- us or, finding the lock taken, leave their subscribers to be resolved at
--- fetch time.  They never queue behind this request.  Held to commit.
+-- writers' triggers (a shared try-lock of their gate, held to commit): every
+-- gate, in order, then the key itself (300_watched_tables.sql), so writers
+-- that already read the interest without us commit first; later ones either
+-- see us or, finding their gate taken, leave their subscribers to be
+-- resolved at fetch time.  They never queue behind this request.  Held to
+-- commit; WAIT bounds the whole.
 CREATE FUNCTION pgbroker._subscribe_lock(p_watch pgbroker.watched, p_table regclass, p_wait interval)
 RETURNS void
 LANGUAGE plpgsql
@@ -206,6 +208,9 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_timeout text := current_setting('lock_timeout');
+    v_wait_ms text := pgbroker._wait_ms(p_wait);  -- '0' (NULL): no limit
+    v_deadline timestamptz := clock_timestamp() + (v_wait_ms || ' ms')::interval;
+    v_key integer;
 BEGIN
     IF (SELECT count(*) FROM pg_catalog.pg_trigger t
          WHERE t.tgrelid = p_watch.relid AND t.tgenabled <> 'D'
@@ -214,9 +219,18 @@ BEGIN
             USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
     END IF;
     BEGIN
-        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
-        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), p_watch.watch_id);
-        PERFORM set_config('lock_timeout', v_timeout, true);
+        FOR v_key IN SELECT pgbroker._lock_gate_key(p_watch.watch_id, g) FROM generate_series(0, pgbroker._lock_gates() - 1) g
+                     UNION ALL SELECT p_watch.watch_id LOOP
+            IF NOT pg_try_advisory_xact_lock(pgbroker._lock_class_watch(), v_key) THEN
+                -- What is left of WAIT, at least 1 ms (a lock_timeout of 0 is no limit).
+                PERFORM set_config('lock_timeout',
+                                   CASE WHEN v_wait_ms = '0' THEN '0'
+                                        ELSE greatest(1, ceil(extract(epoch FROM v_deadline - clock_timestamp()) * 1000))::bigint::text END,
+                                   true);
+                PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), v_key);
+                PERFORM set_config('lock_timeout', v_timeout, true);
+            END IF;
+        END LOOP;
     EXCEPTION WHEN lock_not_available THEN
         RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', p_watch.table_name, p_wait
             USING ERRCODE = 'PB022', HINT = 'Retry, or pass a longer wait.';
@@ -224,7 +238,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker._subscribe_lock(pgbroker.watched, regclass, interval) IS
-    'Internal: check a watched table''s triggers (PB021), then take its watch lock exclusively to commit, waiting at most p_wait for writers (PB022).';
+    'Internal: check a watched table''s triggers (PB021), then take every gate of its watch lock exclusively to commit, waiting at most p_wait in all for writers (PB022).';
 
 CREATE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL,
                                    name text DEFAULT 'default', epoch bigint DEFAULT NULL,

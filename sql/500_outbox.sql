@@ -84,7 +84,7 @@ CREATE FUNCTION pgbroker._lock_class_drain()
 RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT 1885823607 $$;
 COMMENT ON FUNCTION pgbroker._lock_class_drain() IS
-    'Internal: ''pgbw''; (class, lease lock_key) is taken shared by writers that wake a broker and exclusively by broker_sleep().';
+    'Internal: ''pgbw''; (class, _lock_gate(lease lock_key)) is taken shared by writers that wake a broker, and broker_sleep() takes every gate of it exclusively.';
 
 CREATE FUNCTION pgbroker._lock_class_awake()
 RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE
@@ -98,11 +98,15 @@ COMMENT ON FUNCTION pgbroker._lock_class_awake() IS
 -- A broker that is awake holds the session-level "awake" lock of its epoch
 -- and drains the outbox; writers see that and do not NOTIFY (every NOTIFY
 -- serialises commits on a cluster-wide lock).  Writers take the "drain" lock
--- shared, held to commit, before they look.  To go to sleep the broker waits
--- until no writer holds "drain" (tries, never a queued request, so writers
--- go on seeing it awake meanwhile), takes it, releases "awake" and looks at
--- the outbox once more: a writer either committed before that last look, or
--- found "drain" taken or "awake" free and notifies.  This holds at every
+-- shared, held to commit, before they look: their own gate of it, one of 16
+-- by their pid (300_watched_tables.sql), so that writers do not all meet on
+-- one lock tag.  To go to sleep the broker takes every gate exclusively,
+-- waiting until no writer holds it (tries, never a queued request, so
+-- writers go on seeing it awake meanwhile; those whose gate it took already
+-- notify, which it may find pending once asleep, an early wake-up and no
+-- more), releases "awake" and looks at the outbox once more: a writer
+-- either committed before that last look, or found its gate taken or
+-- "awake" free and notifies.  This holds at every
 -- isolation level, because the "awake" test is a lock, not a row a snapshot
 -- could hide.  Keyed by the epoch, an awake broker's lock also tells writers
 -- that its epoch's holder is alive (600_triggers.sql): no lock test of its
@@ -192,23 +196,28 @@ DECLARE
                                    ELSE clock_timestamp() + (v_wait_ms || ' ms')::interval END;
     v_floor bigint;
     v_key integer;
+    v_gate_key integer;
     v_awake integer := pgbroker._epoch_key(v_epoch);
 BEGIN
     SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
-    -- Wait, still awake, until no writer holds the drain lock: by tries, so
-    -- that writers never find a request of ours queued (they would take it
-    -- for a broker going to sleep, and NOTIFY), and at most WAIT (a long
-    -- writer transaction must not keep us from draining).
-    WHILE NOT pg_try_advisory_xact_lock(pgbroker._lock_class_drain(), v_key) LOOP
-        IF clock_timestamp() >= v_deadline THEN
-            IF NOT pgbroker._awake_held(v_awake) THEN
-                PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
+    -- Wait, still awake, until no writer holds a gate of the drain lock, and
+    -- take each: by tries, so that writers never find a request of ours
+    -- queued (they would take it for a broker going to sleep, and NOTIFY),
+    -- and at most WAIT (a long writer transaction must not keep us from
+    -- draining; the gates taken are then held until this returns).
+    FOR v_gate_key IN SELECT pgbroker._lock_gate_key(v_key, g) FROM generate_series(0, pgbroker._lock_gates() - 1) g
+                      UNION ALL SELECT v_key LOOP  -- and the key itself (300_watched_tables.sql)
+        WHILE NOT pg_try_advisory_xact_lock(pgbroker._lock_class_drain(), v_gate_key) LOOP
+            IF clock_timestamp() >= v_deadline THEN
+                IF NOT pgbroker._awake_held(v_awake) THEN
+                    PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
+                END IF;
+                RETURN 'busy';
             END IF;
-            RETURN 'busy';
-        END IF;
-        PERFORM pg_sleep(0.001);
+            PERFORM pg_sleep(0.001);
+        END LOOP;
     END LOOP;
-    -- The drain lock is ours until this returns: writers from now on NOTIFY.
+    -- Every gate of the drain lock is ours until this returns: writers from now on NOTIFY.
     IF pgbroker._awake_held(v_awake) THEN
         PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_awake);
     END IF;

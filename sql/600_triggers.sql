@@ -8,8 +8,10 @@
 -- sql/reference/initech_objects_triggers.sql (a test keeps it current).
 -- After a single-row UPDATE a writer runs:
 --
---   1. one try-lock, never a wait: the table's watch lock, shared, held to
---      commit; it orders the writer against subscribe() (400_subscriptions.sql);
+--   1. one try-lock, never a wait: the writer's gate of the table's watch
+--      lock (one of 16, by its pid: 300_watched_tables.sql), shared, held to
+--      commit; it orders the writer against subscribe(), which takes every
+--      gate (400_subscriptions.sql);
 --   2. one SELECT: is the statement large, does the table have whole-table
 --      subscribers (two index probes);
 --   3. one INSERT ... SELECT: for each change (I; U with the changed columns;
@@ -140,14 +142,15 @@ COMMENT ON FUNCTION pgbroker._watch_unresolved_template() IS
 -- Whether the holder of the broker of row {{r}} (a lease, or the interest of
 -- one of its epochs) is alive, and if so its wake-up.  Evaluated before the
 -- outbox row is written, in this order:
---   - the broker is going to sleep (broker_sleep() holds the drain lock):
---     NOTIFY it, if the epoch's holder is alive;
+--   - the broker is going to sleep (broker_sleep() holds this session's
+--     gate of the drain lock, 300_watched_tables.sql): NOTIFY it, if the
+--     epoch's holder is alive;
 --   - it is not awake (the awake lock of that epoch is free): it sleeps, or
 --     the epoch has no holder (the broker is gone, or that epoch was
 --     replaced by a new claim and its rows wait for broker_sweep()); if its
---     holder is alive, NOTIFY it, holding the drain lock shared to commit,
---     so broker_sleep() waits for this transaction or it hears the NOTIFY;
---     otherwise write nothing;
+--     holder is alive, NOTIFY it, holding the gate shared to commit, so
+--     broker_sleep(), which takes every gate, waits for this transaction or
+--     it hears the NOTIFY; otherwise write nothing;
 --   - it is awake and draining: it will see the row, and its holder is
 --     alive (only the epoch's holder takes its awake lock, and drops it when
 --     the epoch ends): no test of its own (500_outbox.sql).
@@ -157,7 +160,7 @@ CREATE FUNCTION pgbroker._watch_alive_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $template$ SELECT $t$CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), {{r}}.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate({{r}}.lock_key))
                 THEN pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
@@ -184,7 +187,7 @@ DECLARE
     v_whole boolean;
     v_jit text;
 BEGIN
-    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate({{watch_id}}))
        AND current_setting('transaction_isolation') = 'read committed' THEN
         SELECT EXISTS (SELECT FROM {{transition}} OFFSET 1024),
                EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb)
@@ -250,7 +253,7 @@ COMMENT ON FUNCTION pgbroker._watch_row_update_template() IS
 CREATE FUNCTION pgbroker._watch_row_fanout_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
-AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate({{watch_id}}))
            AND current_setting('transaction_isolation') = 'read committed' THEN
             IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb) THEN
                 INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -332,7 +335,7 @@ COMMENT ON FUNCTION pgbroker._watch_funresolved_template() IS
 CREATE FUNCTION pgbroker._watch_filtered_template()
 RETURNS text
 LANGUAGE sql IMMUTABLE
-AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+AS $template$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate({{watch_id}}))
            AND current_setting('transaction_isolation') = 'read committed' THEN
             -- First whether any change has a subscriber at all: one index probe per change for its key, the whole
             -- table and its points, those before an UPDATE only where they moved (a change that matches nothing,
@@ -378,7 +381,7 @@ AS $template$ SELECT $t$
 DECLARE
     v_jit text := current_setting('jit');
 BEGIN
-    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate({{watch_id}}))
        AND current_setting('transaction_isolation') = 'read committed' THEN
         PERFORM set_config('jit', 'off', true);  -- the estimate grows with the table's interest rows
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)

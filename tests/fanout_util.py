@@ -133,6 +133,17 @@ def sqlstate(exc_info: Any) -> str | None:
     return exc_info.value.sqlstate
 
 
+def connect_in_gate(connect: Any, gate: int, application: str = "writer", **kwargs: Any) -> psycopg.Connection:
+    """A connection (from the CONNECT fixture) whose backend's pid is GATE modulo 16: the gate of the watch and
+    drain locks its writes take (sql/300_watched_tables.sql)."""
+    for _ in range(500):
+        conn = connect(application, **kwargs)
+        if conn.info.backend_pid % 16 == gate:
+            return conn
+        conn.close()
+    raise AssertionError(f"no backend with pid {gate} modulo 16 in 500 connections")
+
+
 def seed_objects(conn: psycopg.Connection, ids: range | list[int]) -> None:
     conn.execute(
         "INSERT INTO initech.objects (id, name) SELECT i, 'obj ' || i FROM unnest(%s::bigint[]) i",

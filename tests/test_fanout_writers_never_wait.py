@@ -2,7 +2,8 @@
 
 - subscribe() waits for writer transactions already past their trigger, but
   writers that come while it waits go on (their changes are written for every
-  live broker, the clients resolved when fetched): no gap, no stall;
+  live broker, the clients resolved when fetched, once it holds their gate of
+  the watch lock; before, it waits for them too): no gap, no stall;
 - watch() and unwatch() take the table's lock in short tries, so a writer
   transaction left open makes them retry and give up (PB022), never queue the
   table's other writers behind them;
@@ -20,7 +21,7 @@ import threading
 import psycopg
 import pytest
 
-from tests.fanout_util import OBJECTS, claim, count, drain, register, seed_objects, subscribe
+from tests.fanout_util import OBJECTS, claim, connect_in_gate, count, drain, register, seed_objects, subscribe
 from tests.lease_util import wait_until
 
 
@@ -30,7 +31,8 @@ def _waiting(admin: psycopg.Connection, pid: int) -> bool:
 
 def test_writers_go_on_while_a_subscribe_waits_and_none_is_missed(connect, watch_mode):
     admin, broker = connect("admin"), connect("broker")
-    slow = connect("slow batch", autocommit=False)
+    # In the last gate: subscribe, which takes the gates in order, holds every other one while it waits for it.
+    slow = connect_in_gate(connect, 15, "slow batch", autocommit=False)
     claim(broker)
     seed_objects(admin, range(1, 11))
     register(broker, "c")

@@ -8,6 +8,16 @@
 -- this revision (the table's lock, as watch() takes it), before those are
 -- replaced below by the previous revision's.
 SET LOCAL check_function_bodies = off;
+-- The writers' triggers of this revision hold a gate of a table's watch
+-- lock and of its brokers' drain locks; the previous revision's
+-- subscribe() and broker_sleep() wait for the keys themselves only.  So
+-- first every gate, to commit: writers holding one commit first, later
+-- ones find theirs taken and take the conservative paths (clients resolved
+-- at fetch, a NOTIFY) until the previous revision's functions are in place.
+SELECT count(pg_advisory_xact_lock(pgbroker._lock_class_watch(), pgbroker._lock_gate_key(w.watch_id, g)))
+  FROM (SELECT watch_id FROM pgbroker.watched ORDER BY watch_id) w, generate_series(0, pgbroker._lock_gates() - 1) g;
+SELECT count(pg_advisory_xact_lock(pgbroker._lock_class_drain(), pgbroker._lock_gate_key(l.lock_key, g)))
+  FROM (SELECT lock_key FROM pgbroker.lease ORDER BY lock_key) l, generate_series(0, pgbroker._lock_gates() - 1) g;
 DELETE FROM pgbroker.filter_shape;   -- the trigger _600_render renders nothing on a DELETE
 SELECT pgbroker._watch_lock_table(w.relid::regclass, NULL), pgbroker._watch_create_functions(w)
   FROM pgbroker.watched w
@@ -74,6 +84,9 @@ DROP FUNCTION pgbroker._range_hash(integer,jsonb);
 DROP FUNCTION pgbroker._range_holds(jsonb,text,jsonb);
 DROP FUNCTION pgbroker._range_probe(integer,jsonb);
 DROP FUNCTION pgbroker._range_matches(jsonb,jsonb);
+DROP FUNCTION pgbroker._lock_gate(integer);
+DROP FUNCTION pgbroker._lock_gate_key(integer,integer);
+DROP FUNCTION pgbroker._lock_gates();
 CREATE OR REPLACE FUNCTION pgbroker.subscribe(client_id text, "table" regclass, key jsonb DEFAULT NULL::jsonb, name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint, wait interval DEFAULT '00:00:05'::interval)
  RETURNS boolean
  LANGUAGE plpgsql
@@ -616,3 +629,205 @@ BEGIN
      WHERE i.ctid = r.row_ctid AND r.clients = '{}';
 END
 $function$;
+
+COMMENT ON FUNCTION pgbroker._lock_class_drain() IS 'Internal: ''pgbw''; (class, lease lock_key) is taken shared by writers that wake a broker and exclusively by broker_sleep().';
+
+COMMENT ON FUNCTION pgbroker._lock_class_watch() IS 'Internal: ''pgbs''; (class, watch_id) is try-locked shared by writers'' triggers and taken exclusively by subscribe.';
+
+CREATE OR REPLACE FUNCTION pgbroker._subscribe_lock(p_watch pgbroker.watched, p_table regclass, p_wait interval)
+ RETURNS void
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    IF (SELECT count(*) FROM pg_catalog.pg_trigger t
+         WHERE t.tgrelid = p_watch.relid AND t.tgenabled <> 'D'
+           AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')) <> 4 THEN
+        RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', p_table
+            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
+    END IF;
+    BEGIN
+        PERFORM set_config('lock_timeout', pgbroker._wait_ms(p_wait), true);
+        PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), p_watch.watch_id);
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', p_watch.table_name, p_wait
+            USING ERRCODE = 'PB022', HINT = 'Retry, or pass a longer wait.';
+    END;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._subscribe_lock(pgbroker.watched,regclass,interval) IS 'Internal: check a watched table''s triggers (PB021), then take its watch lock exclusively to commit, waiting at most p_wait for writers (PB022).';
+CREATE OR REPLACE FUNCTION pgbroker._watch_alive_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$CASE
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), {{r}}.lock_key)
+                THEN pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                     AND pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            ELSE true
+        END$t$
+$function$;
+
+CREATE OR REPLACE FUNCTION pgbroker._watch_row_fanout_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb) THEN
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM ({{changes}}) k
+                          JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE {{alive_and_woken:z}};
+            ELSE
+{{merged}};
+            END IF;
+        ELSE
+{{unresolved}};
+        END IF;$t$
+$function$;
+
+CREATE OR REPLACE FUNCTION pgbroker._watch_trigger_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$
+DECLARE
+    v_large boolean;
+    v_whole boolean;
+    v_jit text;
+BEGIN
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+       AND current_setting('transaction_isolation') = 'read committed' THEN
+        SELECT EXISTS (SELECT FROM {{transition}} OFFSET 1024),
+               EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb)
+          INTO v_large, v_whole;
+        IF NOT v_large AND NOT v_whole THEN
+{{fanout}};
+        ELSE
+            v_jit := current_setting('jit');
+            PERFORM set_config('jit', 'off', true);
+            IF v_whole THEN
+{{merged}};
+            ELSE
+                EXECUTE {{bulk_literal}};
+            END IF;
+            PERFORM set_config('jit', v_jit, true);
+        END IF;
+    ELSE
+{{unresolved}};
+    END IF;
+    RETURN NULL;
+END
+$t$
+$function$;
+
+CREATE OR REPLACE FUNCTION pgbroker._watch_truncate_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$
+DECLARE
+    v_jit text := current_setting('jit');
+BEGIN
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+       AND current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM set_config('jit', 'off', true);  -- the estimate grows with the table's interest rows
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT t.name, t.epoch, {{watch_id}}, 'T', NULL, NULL, t.clients
+          FROM (SELECT i.name, i.epoch, min(i.lock_key) AS lock_key,
+                       ARRAY(SELECT DISTINCT c FROM pgbroker.interest j, unnest(j.clients) AS c
+                              WHERE j.watch_id = {{watch_id}} AND j.name = i.name AND j.epoch = i.epoch ORDER BY 1) AS clients
+                  FROM pgbroker.interest i
+                 WHERE i.watch_id = {{watch_id}}
+                 GROUP BY i.name, i.epoch) t
+         WHERE {{alive_and_woken:t}};
+        PERFORM set_config('jit', v_jit, true);
+    ELSE
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT l.name, l.epoch, {{watch_id}}, 'T', NULL, NULL, NULL
+          FROM pgbroker.lease l
+         WHERE l.state = 'held' AND l.expires_at IS NULL
+           AND {{alive_and_woken:l}};
+    END IF;
+    RETURN NULL;
+END
+$t$
+$function$;
+
+CREATE OR REPLACE FUNCTION pgbroker.broker_sleep(name text DEFAULT 'default'::text, wait interval DEFAULT '00:00:00.02'::interval)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+ SET enable_seqscan TO 'off'
+ SET enable_bitmapscan TO 'off'
+AS $function$
+DECLARE
+    v_name text := pgbroker._check_name(broker_sleep.name);
+    v_epoch bigint := pgbroker._holder_epoch(v_name);
+    v_wait_ms text := pgbroker._wait_ms(broker_sleep.wait);   -- checked before anything changes
+    v_deadline timestamptz := CASE WHEN broker_sleep.wait IS NULL THEN 'infinity'
+                                   ELSE clock_timestamp() + (v_wait_ms || ' ms')::interval END;
+    v_floor bigint;
+    v_key integer;
+    v_awake integer := pgbroker._epoch_key(v_epoch);
+BEGIN
+    SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
+    -- Wait, still awake, until no writer holds the drain lock: by tries, so
+    -- that writers never find a request of ours queued (they would take it
+    -- for a broker going to sleep, and NOTIFY), and at most WAIT (a long
+    -- writer transaction must not keep us from draining).
+    WHILE NOT pg_try_advisory_xact_lock(pgbroker._lock_class_drain(), v_key) LOOP
+        IF clock_timestamp() >= v_deadline THEN
+            IF NOT pgbroker._awake_held(v_awake) THEN
+                PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
+            END IF;
+            RETURN 'busy';
+        END IF;
+        PERFORM pg_sleep(0.001);
+    END LOOP;
+    -- The drain lock is ours until this returns: writers from now on NOTIFY.
+    IF pgbroker._awake_held(v_awake) THEN
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_awake);
+    END IF;
+    v_floor := pgbroker._outbox_floor(v_name, v_epoch, false);
+    IF EXISTS (SELECT FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch = v_epoch AND o.id > v_floor) THEN
+        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
+        RETURN 'pending';
+    END IF;
+    RETURN 'asleep';
+END
+$function$;
+
+-- ---------------------------------------------------------------------------
+-- Hand-written (begin): last, every watched table's trigger functions as the
+-- previous revision renders them (as its _watch_install does, without the
+-- triggers, which stay), now that its templates are back.
+DO $render$
+DECLARE
+    v_watch pgbroker.watched;
+    v_kind text;
+BEGIN
+    FOR v_watch IN SELECT * FROM pgbroker.watched ORDER BY watch_id LOOP
+        FOREACH v_kind IN ARRAY ARRAY['ins', 'upd', 'del', 'trunc'] LOOP
+            EXECUTE format('CREATE OR REPLACE FUNCTION pgbroker._watch_%s_%s() RETURNS trigger LANGUAGE plpgsql'
+                           ' SECURITY DEFINER SET search_path = pg_catalog, pg_temp%s AS %L',
+                           v_watch.watch_id, v_kind,
+                           CASE WHEN v_kind = 'trunc' THEN '' ELSE pgbroker._key_settings(v_watch.key_types) END,
+                           pgbroker._watch_function_body(v_watch, v_kind));
+        END LOOP;
+    END LOOP;
+END
+$render$;
+-- Hand-written (end).

@@ -535,7 +535,7 @@ CREATE OR REPLACE FUNCTION pgbroker._watch_filtered_template()
  RETURNS text
  LANGUAGE sql
  IMMUTABLE
-AS $function$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), {{watch_id}})
+AS $function$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate({{watch_id}}))
            AND current_setting('transaction_isolation') = 'read committed' THEN
             -- First whether any change has a subscriber at all: one index probe per change for its key, the whole
             -- table and its points, those before an UPDATE only where they moved (a change that matches nothing,
@@ -1469,6 +1469,217 @@ AS $function$
 $function$;
 COMMENT ON FUNCTION pgbroker._range_matches(jsonb,jsonb) IS 'Internal: whether a range filter''s key (an SP-GiST candidate) holds a changed row''s range probe: same column, same other values, value within the bounds.';
 REVOKE ALL ON FUNCTION pgbroker._range_matches(jsonb,jsonb) FROM PUBLIC;
+COMMENT ON FUNCTION pgbroker._lock_class_drain() IS 'Internal: ''pgbw''; (class, _lock_gate(lease lock_key)) is taken shared by writers that wake a broker, and broker_sleep() takes every gate of it exclusively.';
+COMMENT ON FUNCTION pgbroker._lock_class_watch() IS 'Internal: ''pgbs''; (class, _lock_gate(watch_id)) is try-locked shared by writers'' triggers, and subscribe takes every gate of the watch exclusively.';
+CREATE OR REPLACE FUNCTION pgbroker._lock_gate(p_key integer)
+ RETURNS integer
+ LANGUAGE sql
+ STABLE PARALLEL SAFE
+AS $function$ SELECT (p_key % 134217728) * 16 + pg_catalog.pg_backend_pid() % 16 $function$;
+COMMENT ON FUNCTION pgbroker._lock_gate(integer) IS 'Internal: the second key of this session''s gate of the gated lock p_key (by its pid; inlined in the triggers).';
+REVOKE ALL ON FUNCTION pgbroker._lock_gate(integer) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._lock_gate_key(p_key integer, p_gate integer)
+ RETURNS integer
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE
+AS $function$ SELECT (p_key % 134217728) * 16 + p_gate $function$;
+COMMENT ON FUNCTION pgbroker._lock_gate_key(integer,integer) IS 'Internal: the second key of gate p_gate (0 to 15) of the gated lock p_key.';
+REVOKE ALL ON FUNCTION pgbroker._lock_gate_key(integer,integer) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._lock_gates()
+ RETURNS integer
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE
+AS $function$ SELECT 16 $function$;
+COMMENT ON FUNCTION pgbroker._lock_gates() IS 'Internal: how many gates a gated lock has (see sql/300_watched_tables.sql).';
+REVOKE ALL ON FUNCTION pgbroker._lock_gates() FROM PUBLIC;
+CREATE OR REPLACE FUNCTION pgbroker._subscribe_lock(p_watch pgbroker.watched, p_table regclass, p_wait interval)
+ RETURNS void
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_timeout text := current_setting('lock_timeout');
+    v_wait_ms text := pgbroker._wait_ms(p_wait);  -- '0' (NULL): no limit
+    v_deadline timestamptz := clock_timestamp() + (v_wait_ms || ' ms')::interval;
+    v_key integer;
+BEGIN
+    IF (SELECT count(*) FROM pg_catalog.pg_trigger t
+         WHERE t.tgrelid = p_watch.relid AND t.tgenabled <> 'D'
+           AND t.tgname IN ('_pgbroker_watch_ins', '_pgbroker_watch_upd', '_pgbroker_watch_del', '_pgbroker_watch_trunc')) <> 4 THEN
+        RAISE EXCEPTION 'the pgbroker triggers of table % are missing or disabled', p_table
+            USING ERRCODE = 'PB021', HINT = 'An administrator must call pgbroker.watch() on it again (or ENABLE the triggers).';
+    END IF;
+    BEGIN
+        FOR v_key IN SELECT pgbroker._lock_gate_key(p_watch.watch_id, g) FROM generate_series(0, pgbroker._lock_gates() - 1) g
+                     UNION ALL SELECT p_watch.watch_id LOOP
+            IF NOT pg_try_advisory_xact_lock(pgbroker._lock_class_watch(), v_key) THEN
+                -- What is left of WAIT, at least 1 ms (a lock_timeout of 0 is no limit).
+                PERFORM set_config('lock_timeout',
+                                   CASE WHEN v_wait_ms = '0' THEN '0'
+                                        ELSE greatest(1, ceil(extract(epoch FROM v_deadline - clock_timestamp()) * 1000))::bigint::text END,
+                                   true);
+                PERFORM pg_advisory_xact_lock(pgbroker._lock_class_watch(), v_key);
+                PERFORM set_config('lock_timeout', v_timeout, true);
+            END IF;
+        END LOOP;
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'table % is busy: a writer transaction stayed open longer than %', p_watch.table_name, p_wait
+            USING ERRCODE = 'PB022', HINT = 'Retry, or pass a longer wait.';
+    END;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker._subscribe_lock(pgbroker.watched,regclass,interval) IS 'Internal: check a watched table''s triggers (PB021), then take every gate of its watch lock exclusively to commit, waiting at most p_wait in all for writers (PB022).';
+CREATE OR REPLACE FUNCTION pgbroker._watch_alive_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$CASE
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate({{r}}.lock_key))
+                THEN pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                THEN pg_advisory_unlock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key({{r}}.epoch))
+                     AND pgbroker._epoch_alive({{r}}.lock_key, {{r}}.epoch)
+                     AND num_nulls(pg_notify('pgbroker_wakeup_' || {{r}}.lock_key, {{r}}.name)) = 0
+            ELSE true
+        END$t$
+$function$;
+CREATE OR REPLACE FUNCTION pgbroker._watch_row_fanout_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate({{watch_id}}))
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb) THEN
+                INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+                SELECT z.name, z.epoch, {{watch_id}}, z.op, z.row_key, z.changed, z.clients
+                  FROM (SELECT i.name, i.epoch, i.lock_key, i.clients, k.op, k.row_key, k.changed
+                          FROM ({{changes}}) k
+                          JOIN pgbroker.interest i ON i.watch_id = {{watch_id}} AND i.row_key = k.row_key
+                        OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
+                 WHERE {{alive_and_woken:z}};
+            ELSE
+{{merged}};
+            END IF;
+        ELSE
+{{unresolved}};
+        END IF;$t$
+$function$;
+CREATE OR REPLACE FUNCTION pgbroker._watch_trigger_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$
+DECLARE
+    v_large boolean;
+    v_whole boolean;
+    v_jit text;
+BEGIN
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate({{watch_id}}))
+       AND current_setting('transaction_isolation') = 'read committed' THEN
+        SELECT EXISTS (SELECT FROM {{transition}} OFFSET 1024),
+               EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = {{watch_id}} AND row_key = 'null'::jsonb)
+          INTO v_large, v_whole;
+        IF NOT v_large AND NOT v_whole THEN
+{{fanout}};
+        ELSE
+            v_jit := current_setting('jit');
+            PERFORM set_config('jit', 'off', true);
+            IF v_whole THEN
+{{merged}};
+            ELSE
+                EXECUTE {{bulk_literal}};
+            END IF;
+            PERFORM set_config('jit', v_jit, true);
+        END IF;
+    ELSE
+{{unresolved}};
+    END IF;
+    RETURN NULL;
+END
+$t$
+$function$;
+CREATE OR REPLACE FUNCTION pgbroker._watch_truncate_template()
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$ SELECT $t$
+DECLARE
+    v_jit text := current_setting('jit');
+BEGIN
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate({{watch_id}}))
+       AND current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM set_config('jit', 'off', true);  -- the estimate grows with the table's interest rows
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT t.name, t.epoch, {{watch_id}}, 'T', NULL, NULL, t.clients
+          FROM (SELECT i.name, i.epoch, min(i.lock_key) AS lock_key,
+                       ARRAY(SELECT DISTINCT c FROM pgbroker.interest j, unnest(j.clients) AS c
+                              WHERE j.watch_id = {{watch_id}} AND j.name = i.name AND j.epoch = i.epoch ORDER BY 1) AS clients
+                  FROM pgbroker.interest i
+                 WHERE i.watch_id = {{watch_id}}
+                 GROUP BY i.name, i.epoch) t
+         WHERE {{alive_and_woken:t}};
+        PERFORM set_config('jit', v_jit, true);
+    ELSE
+        INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
+        SELECT l.name, l.epoch, {{watch_id}}, 'T', NULL, NULL, NULL
+          FROM pgbroker.lease l
+         WHERE l.state = 'held' AND l.expires_at IS NULL
+           AND {{alive_and_woken:l}};
+    END IF;
+    RETURN NULL;
+END
+$t$
+$function$;
+CREATE OR REPLACE FUNCTION pgbroker.broker_sleep(name text DEFAULT 'default'::text, wait interval DEFAULT '00:00:00.02'::interval)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+ SET enable_seqscan TO 'off'
+ SET enable_bitmapscan TO 'off'
+AS $function$
+DECLARE
+    v_name text := pgbroker._check_name(broker_sleep.name);
+    v_epoch bigint := pgbroker._holder_epoch(v_name);
+    v_wait_ms text := pgbroker._wait_ms(broker_sleep.wait);   -- checked before anything changes
+    v_deadline timestamptz := CASE WHEN broker_sleep.wait IS NULL THEN 'infinity'
+                                   ELSE clock_timestamp() + (v_wait_ms || ' ms')::interval END;
+    v_floor bigint;
+    v_key integer;
+    v_gate_key integer;
+    v_awake integer := pgbroker._epoch_key(v_epoch);
+BEGIN
+    SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
+    -- Wait, still awake, until no writer holds a gate of the drain lock, and
+    -- take each: by tries, so that writers never find a request of ours
+    -- queued (they would take it for a broker going to sleep, and NOTIFY),
+    -- and at most WAIT (a long writer transaction must not keep us from
+    -- draining; the gates taken are then held until this returns).
+    FOR v_gate_key IN SELECT pgbroker._lock_gate_key(v_key, g) FROM generate_series(0, pgbroker._lock_gates() - 1) g
+                      UNION ALL SELECT v_key LOOP  -- and the key itself (300_watched_tables.sql)
+        WHILE NOT pg_try_advisory_xact_lock(pgbroker._lock_class_drain(), v_gate_key) LOOP
+            IF clock_timestamp() >= v_deadline THEN
+                IF NOT pgbroker._awake_held(v_awake) THEN
+                    PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
+                END IF;
+                RETURN 'busy';
+            END IF;
+            PERFORM pg_sleep(0.001);
+        END LOOP;
+    END LOOP;
+    -- Every gate of the drain lock is ours until this returns: writers from now on NOTIFY.
+    IF pgbroker._awake_held(v_awake) THEN
+        PERFORM pg_advisory_unlock(pgbroker._lock_class_awake(), v_awake);
+    END IF;
+    v_floor := pgbroker._outbox_floor(v_name, v_epoch, false);
+    IF EXISTS (SELECT FROM pgbroker.outbox o WHERE o.name = v_name AND o.epoch = v_epoch AND o.id > v_floor) THEN
+        PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
+        RETURN 'pending';
+    END IF;
+    RETURN 'asleep';
+END
+$function$;
 -- ---------------------------------------------------------------------------
 -- Hand-written (begin): after the functions.
 CREATE TRIGGER _600_render
@@ -1495,6 +1706,16 @@ SELECT c.name, c.client_id, w.relid::regclass AS "table",
 COMMENT ON COLUMN pgbroker.subscriptions.key IS 'The row key (jsonb), NULL for a whole-table subscription or one by filter.';
 COMMENT ON COLUMN pgbroker.subscriptions.filter IS 'For a subscription by filter: one point of the filter, a JSON object of column values and at most one range ({"team": 7, "price": {"gte": 10}}; a filter with "in" has a row per value); NULL otherwise.';
 
+-- Every watched table's trigger functions, rendered by this revision's
+-- templates (gated locks): CREATE OR REPLACE FUNCTION, no table lock, so
+-- before the tables' locks below (a writer that holds the outbox's and
+-- waits for the interest's while this waits for the outbox's is a
+-- deadlock: their window stays as short as it was).  A writer's first
+-- trigger call after the commit runs them; writers of the functions they
+-- replace hold the watch and drain locks' keys themselves, which
+-- subscribe() and broker_sleep() wait for too (300_watched_tables.sql).
+SELECT count(pgbroker._watch_create_functions(w)) FROM pgbroker.watched w;
+
 -- The interest's box of range filters, and its SP-GiST index (ACCESS
 -- EXCLUSIVE on the interest, held to commit, as the outbox's below: a
 -- nullable column without a default rewrites nothing; the index, partial,
@@ -1505,8 +1726,7 @@ CREATE INDEX interest_range ON pgbroker.interest USING spgist (range_box) WHERE 
 
 -- Last: the outbox's new columns (ACCESS EXCLUSIVE on the outbox, held to
 -- commit: writers of watched tables wait from here to the commit; nullable
--- columns without a default rewrite nothing).  The watched tables' trigger
--- functions need no new rendering: a table without filters renders as before.
+-- columns without a default rewrite nothing).
 ALTER TABLE pgbroker.outbox ADD COLUMN left_clients text[], ADD COLUMN new_points jsonb[], ADD COLUMN old_points jsonb[];
 COMMENT ON COLUMN pgbroker.outbox.left_clients IS 'Those of the clients whose filters the row matched before the change (U) and none of whose subscriptions it matches after: the row left them. NULL: none.';
 COMMENT ON COLUMN pgbroker.outbox.new_points IS 'Rows whose clients are resolved when fetched, of a table with filters: the row''s filter points after the change (before it, for D).';

@@ -20,7 +20,7 @@ DECLARE
     v_whole boolean;
     v_jit text;
 BEGIN
-    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate(1))
        AND current_setting('transaction_isolation') = 'read committed' THEN
         SELECT EXISTS (SELECT FROM pgbroker_new OFFSET 1024),
                EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb)
@@ -38,7 +38,7 @@ BEGIN
                         WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
                 OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(z.lock_key))
                 THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
@@ -76,7 +76,7 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(t.lock_key))
                 THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
@@ -93,7 +93,7 @@ BEGIN
                AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
                                       WHERE j.watch_id = 1 AND j.name = l.name AND j.epoch = l.epoch)
                         THEN CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -125,7 +125,7 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -155,7 +155,7 @@ DECLARE
     v_whole boolean;
     v_jit text;
 BEGIN
-    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate(1))
        AND current_setting('transaction_isolation') = 'read committed' THEN
         SELECT EXISTS (SELECT FROM pgbroker_new OFFSET 1024),
                EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb)
@@ -178,7 +178,7 @@ BEGIN
                         WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
                 OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(z.lock_key))
                 THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
@@ -221,7 +221,7 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(t.lock_key))
                 THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
@@ -238,7 +238,7 @@ BEGIN
                AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
                                       WHERE j.watch_id = 1 AND j.name = l.name AND j.epoch = l.epoch)
                         THEN CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -277,7 +277,7 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -307,7 +307,7 @@ DECLARE
     v_whole boolean;
     v_jit text;
 BEGIN
-    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate(1))
        AND current_setting('transaction_isolation') = 'read committed' THEN
         SELECT EXISTS (SELECT FROM pgbroker_old OFFSET 1024),
                EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb)
@@ -325,7 +325,7 @@ BEGIN
                         WHERE j.watch_id = 1 AND j.row_key = k.row_key OFFSET 0) i
                 OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(z.lock_key))
                 THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
@@ -363,7 +363,7 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(t.lock_key))
                 THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
@@ -380,7 +380,7 @@ BEGIN
                AND CASE WHEN EXISTS (SELECT FROM pgbroker.interest j
                                       WHERE j.watch_id = 1 AND j.name = l.name AND j.epoch = l.epoch)
                         THEN CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify(''pgbroker_wakeup_'' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -412,7 +412,7 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -440,7 +440,7 @@ AS $function$
 DECLARE
     v_jit text := current_setting('jit');
 BEGIN
-    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate(1))
        AND current_setting('transaction_isolation') = 'read committed' THEN
         PERFORM set_config('jit', 'off', true);  -- the estimate grows with the table's interest rows
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -452,7 +452,7 @@ BEGIN
                  WHERE i.watch_id = 1
                  GROUP BY i.name, i.epoch) t
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(t.lock_key))
                 THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
@@ -468,7 +468,7 @@ BEGIN
           FROM pgbroker.lease l
          WHERE l.state = 'held' AND l.expires_at IS NULL
            AND CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))

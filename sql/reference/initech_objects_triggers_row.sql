@@ -16,7 +16,7 @@ CREATE OR REPLACE FUNCTION pgbroker._watch_1_ins()
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
-        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate(1))
            AND current_setting('transaction_isolation') = 'read committed' THEN
             IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb) THEN
                 INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -26,7 +26,7 @@ BEGIN
                           JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
                         OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
                  WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(z.lock_key))
                 THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
@@ -61,7 +61,7 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(t.lock_key))
                 THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
@@ -83,7 +83,7 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -110,7 +110,7 @@ CREATE OR REPLACE FUNCTION pgbroker._watch_1_upd()
 AS $function$
 BEGIN
     IF NEW.id = OLD.id THEN
-        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate(1))
            AND current_setting('transaction_isolation') = 'read committed' THEN
             IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb) THEN
                 INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -121,7 +121,7 @@ BEGIN
                           JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
                         OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
                  WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(z.lock_key))
                 THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
@@ -157,7 +157,7 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(t.lock_key))
                 THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
@@ -180,7 +180,7 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -192,7 +192,7 @@ BEGIN
         END IF;
     ELSE
         -- A key change: a D of the old key and an I of the new one.
-        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate(1))
            AND current_setting('transaction_isolation') = 'read committed' THEN
             IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb) THEN
                 INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -203,7 +203,7 @@ BEGIN
                           JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
                         OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
                  WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(z.lock_key))
                 THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
@@ -239,7 +239,7 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(t.lock_key))
                 THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
@@ -262,7 +262,7 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -289,7 +289,7 @@ CREATE OR REPLACE FUNCTION pgbroker._watch_1_del()
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
-        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+        IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate(1))
            AND current_setting('transaction_isolation') = 'read committed' THEN
             IF NOT EXISTS (SELECT FROM pgbroker.interest WHERE watch_id = 1 AND row_key = 'null'::jsonb) THEN
                 INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -299,7 +299,7 @@ BEGIN
                           JOIN pgbroker.interest i ON i.watch_id = 1 AND i.row_key = k.row_key
                         OFFSET 0) z  -- the test below runs on the rows to write, never on an interest scan
                  WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), z.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(z.lock_key))
                 THEN pgbroker._epoch_alive(z.lock_key, z.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || z.lock_key, z.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(z.epoch))
@@ -334,7 +334,7 @@ BEGIN
                                      AND r.epoch = w.epoch)
                ) AS t (name, epoch, lock_key, clients)
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(t.lock_key))
                 THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
@@ -356,7 +356,7 @@ BEGIN
                  WHERE b.state = 'held' AND b.expires_at IS NULL
                 OFFSET 0) l
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))
@@ -384,7 +384,7 @@ AS $function$
 DECLARE
     v_jit text := current_setting('jit');
 BEGIN
-    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), 1)
+    IF pg_try_advisory_xact_lock_shared(pgbroker._lock_class_watch(), pgbroker._lock_gate(1))
        AND current_setting('transaction_isolation') = 'read committed' THEN
         PERFORM set_config('jit', 'off', true);  -- the estimate grows with the table's interest rows
         INSERT INTO pgbroker.outbox (name, epoch, watch_id, op, row_key, changed, clients)
@@ -396,7 +396,7 @@ BEGIN
                  WHERE i.watch_id = 1
                  GROUP BY i.name, i.epoch) t
          WHERE CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), t.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(t.lock_key))
                 THEN pgbroker._epoch_alive(t.lock_key, t.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || t.lock_key, t.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(t.epoch))
@@ -412,7 +412,7 @@ BEGIN
           FROM pgbroker.lease l
          WHERE l.state = 'held' AND l.expires_at IS NULL
            AND CASE
-            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), l.lock_key)
+            WHEN NOT pg_try_advisory_xact_lock_shared(pgbroker._lock_class_drain(), pgbroker._lock_gate(l.lock_key))
                 THEN pgbroker._epoch_alive(l.lock_key, l.epoch)
                      AND num_nulls(pg_notify('pgbroker_wakeup_' || l.lock_key, l.name)) = 0
             WHEN pg_try_advisory_lock_shared(pgbroker._lock_class_awake(), pgbroker._epoch_key(l.epoch))

@@ -108,8 +108,8 @@ LATENCY_P99_TARGET_MS = 10.0
 SCALE_TARGET = 1.2  # "about 1x": the large set-up may cost at most this much more
 
 
-PARTS = ("throughput", "bulk", "huge", "latency", "scale", "guarantees")
-OPT_IN = ("guarantees",)  # parts run only when named
+PARTS = ("throughput", "bulk", "huge", "latency", "scale", "guarantees", "shared")
+OPT_IN = ("guarantees", "shared")  # parts run only when named
 
 
 @dataclass
@@ -1392,6 +1392,121 @@ def bench_guarantees(url: str, conn: psycopg.Connection, broker: DrainingBroker,
 
 
 # ---------------------------------------------------------------------------
+# What every writer touches (issue 44): the lock tags and pages that a watched single-row UPDATE shares with every
+# other writer's, against the transactional outbox and the prototype.  Counted, not timed.
+
+SHARED_VARIANTS = ("row", "statement", "peer_c", "peer_d")
+SHARED_UPDATES = 2000
+
+
+def _held_lock_tags(url: str, table: str) -> list[str]:
+    """The lock tags that two writers, each after a single-row UPDATE of a different row of TABLE, both hold in the
+    shared lock table (not fast-path): every such tag is an operation on a lock-manager partition that every writer
+    makes, at the acquisition and again at commit."""
+    held = []
+    sessions = [psycopg.connect(url) for _ in range(2)]
+    try:
+        for n, session in enumerate(sessions):
+            session.execute(f"UPDATE {table} SET val = val + 1 WHERE id = %s", (n * 500 + 1,))
+            held.append({
+                f"{locktype}:{rel or ''}:{classid or ''}:{objid or ''}:{objsubid or ''}:{mode}"
+                for locktype, rel, classid, objid, objsubid, mode in session.execute(
+                    "SELECT locktype, relation::regclass::text, classid, objid, objsubid, mode FROM pg_locks"
+                    " WHERE pid = pg_backend_pid() AND NOT fastpath AND locktype NOT IN ('virtualxid', 'transactionid')"
+                )
+            })  # fmt: skip
+        return sorted(held[0] & held[1])
+    finally:
+        for session in sessions:
+            session.rollback()
+            session.close()
+
+
+def _failed_tries(conn: psycopg.Connection, table: str) -> int:
+    """Try-locks of a table's UPDATE trigger function that fail on every writer while the broker drains (its awake
+    lock): not held, so not in pg_locks, each one more lock-manager operation per broker.  Counted in the installed
+    function's fast path (the first INSERT's wake-up test)."""
+    source = conn.execute(
+        "SELECT coalesce(string_agg(pg_get_functiondef(t.tgfoid), ''), '') FROM pg_trigger t"
+        " WHERE t.tgrelid = %s::regclass AND NOT t.tgisinternal AND t.tgname LIKE '%%upd%%'",
+        (table,),
+    ).fetchone()[0]
+    test = source[source.find("WHERE CASE") : source.find("END;", source.find("WHERE CASE"))]
+    return test.count("pg_try_advisory_lock_shared(")
+
+
+def _pages_per_update(url: str, conn: psycopg.Connection, table: str, n: int) -> dict[str, float]:
+    """Buffer accesses per single-row UPDATE of TABLE (random rows, autocommit), per relation other than TABLE and
+    its index: what the trigger reads and writes."""
+    query = """
+        SELECT relid::regclass::text, coalesce(heap_blks_hit, 0) + coalesce(heap_blks_read, 0)
+          FROM pg_statio_all_tables WHERE schemaname IN ('pgbroker', 'bench')
+        UNION ALL
+        SELECT indexrelid::regclass::text, coalesce(idx_blks_hit, 0) + coalesce(idx_blks_read, 0)
+          FROM pg_statio_all_indexes WHERE schemaname IN ('pgbroker', 'bench')
+        UNION ALL
+        SELECT relid::regclass::text, coalesce(blks_hit, 0) + coalesce(blks_read, 0)
+          FROM pg_statio_all_sequences WHERE schemaname IN ('pgbroker', 'bench')"""
+
+    def snapshot() -> dict[str, int]:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        return dict(conn.execute(query).fetchall())
+
+    rng = random.Random(44)
+    with psycopg.connect(url, autocommit=True) as writer:
+        writer.execute("SELECT pg_stat_force_next_flush()")
+        writer.execute("SELECT 1")
+        time.sleep(0.2)
+        before = snapshot()
+        for _ in range(n):
+            writer.execute(f"UPDATE {table} SET val = val + 1 WHERE id = %s", (rng.randint(1, 1000),), prepare=True)
+        writer.execute("SELECT pg_stat_force_next_flush()")
+        writer.execute("SELECT 1")
+    time.sleep(0.5)
+    after = snapshot()
+    own = {table, f"{table}_pkey"}
+    return {
+        rel: (after[rel] - before.get(rel, 0)) / n
+        for rel in after
+        if rel not in own and after[rel] > before.get(rel, 0)
+    }
+
+
+def bench_shared(url: str, conn: psycopg.Connection, broker: DrainingBroker, results: Results) -> None:
+    print("6. what a watched single-row UPDATE shares with every other writer (lock tags, pages)", flush=True)
+    broker.paused.set()  # awake, not fetching: the broker's own reads stay out of the counts
+    try:
+        conn.execute(f"UPDATE {TABLES['row']} SET val = val + 1 WHERE id = 1")  # wakes the broker if it sleeps
+        deadline = time.monotonic() + 10
+        while not conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = %s AND locktype = 'advisory' AND granted"
+            " AND classid = pgbroker._lock_class_awake()::oid)",
+            (broker.backend_pid,),
+        ).fetchone()[0]:
+            assert time.monotonic() < deadline, "the broker did not wake"
+            time.sleep(0.05)
+        for variant in SHARED_VARIANTS:
+            table = TABLES[variant]
+            tags = _held_lock_tags(url, table)
+            tries = _failed_tries(conn, table) if variant in ("row", "statement") else 0
+            pages = _pages_per_update(url, conn, table, SHARED_UPDATES)
+            label = LABELS[variant]
+            results.add(f"shared per transaction: {label}: lock tags held by every writer", str(len(tags)), "", "",
+                        "(info)")  # fmt: skip
+            results.add(f"shared per transaction: {label}: lock-manager operations on them", f"{2 * len(tags) + tries}",
+                        "", "", "(info: two per held tag, one per failed try)")  # fmt: skip
+            results.note(
+                f"shared, {label}: held tags {', '.join(tags) or 'none'}; failed tries per broker {tries}; pages per"
+                f" UPDATE by relation: "
+                + ", ".join(f"{rel} {v:.2f}" for rel, v in sorted(pages.items(), key=lambda kv: -kv[1]))
+            )
+            results.figures[f"shared_lock_ops_{variant}"] = 2 * len(tags) + tries
+    finally:
+        broker.paused.clear()
+    wait_drained(conn, broker)
+
+
+# ---------------------------------------------------------------------------
 # Plans of the generated trigger functions' queries (--explain).
 
 
@@ -1538,6 +1653,8 @@ def run(cfg: Settings) -> Results:
                     bench_latency(url, conn, broker, cfg, results)
                 if cfg.runs("guarantees"):
                     bench_guarantees(url, conn, broker, consumers["peer_c"], pgbench, cfg, results)
+                if cfg.runs("shared"):
+                    bench_shared(url, conn, broker, results)
                 if cfg.explain:
                     explain_triggers(conn)
             finally:
