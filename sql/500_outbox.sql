@@ -409,9 +409,11 @@ COMMENT ON FUNCTION pgbroker._outbox_resolve(text, bigint) IS
 -- broker's cost: planned once per session (re-planning cost more than the
 -- fetch itself: a one-row fetch 224 us re-planned, 85 us with the generic
 -- plan), and as few statements as a call allows, each paying a snapshot:
--- one finds the holder's epoch and whether any row awaits its clients, one
--- acknowledges the previous batch and returns the next (the rows it
--- deletes are left out of those it returns).  Rows are returned as the
+-- one finds the holder's epoch, whether any row awaits its clients, whether
+-- any departure must be applied and whether name grants apply (the name
+-- check runs only then, or for the error of a caller that does not hold
+-- the lease), one acknowledges the previous batch and returns the next (the
+-- rows it deletes are left out of those it returns).  Rows are returned as the
 -- triggers wrote them: client ids, nothing looked up per row but the
 -- table's name.  Rows written with clients NULL (by REPEATABLE READ and
 -- SERIALIZABLE writers, and while a subscribe was under way) are resolved
@@ -453,23 +455,35 @@ AS $$
 DECLARE
     v_epoch bigint;
     v_unresolved boolean;
+    v_departed boolean;
+    v_granted boolean;
     v_floor bigint;
 BEGIN
-    PERFORM pgbroker._name_check('lease', outbox_fetch.name, true);
-    -- The holder's epoch, whether rows await their clients, and the floor
-    -- when it has nothing to move (as _outbox_floor's first test: NULL
-    -- otherwise, and _outbox_floor runs).
+    -- The holder's epoch, whether rows await their clients, whether the
+    -- lease names have grants, the floor when it has nothing to move (as
+    -- _outbox_floor's first test: NULL otherwise, and _outbox_floor runs),
+    -- and whether a departure may hide a client from rows past it (past 0
+    -- when the floor is not known yet: the departures' path, slower, is
+    -- right whatever they hide).
     SELECT l.epoch, EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = l.name AND u.epoch = l.epoch AND u.clients IS NULL),
-           CASE WHEN f.s[1] = l.epoch::text AND cardinality(f.s) = 5
-                     AND current_setting('transaction_isolation') = 'read committed'
-                     AND CASE WHEN f.s[4] <> '' THEN f.s[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
-                              ELSE to_timestamp(nullif(f.s[5], '')::double precision) >= clock_timestamp() - interval '100 ms' END
-                THEN f.s[2]::bigint END
-      INTO v_epoch, v_unresolved, v_floor
+           EXISTS (SELECT FROM pgbroker.outbox_departed d
+                    WHERE d.name = l.name AND d.epoch = l.epoch AND d.last_id > coalesce(x.floor, 0)),
+           EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease'),
+           x.floor
+      INTO v_epoch, v_unresolved, v_departed, v_granted, v_floor
       FROM pgbroker.lease l,
-           (SELECT string_to_array(current_setting('pgbroker.outbox_floor', true), ':') AS s) f
+           (SELECT string_to_array(current_setting('pgbroker.outbox_floor', true), ':') AS s) f,
+           LATERAL (SELECT CASE WHEN f.s[1] = l.epoch::text AND cardinality(f.s) = 5
+                                     AND current_setting('transaction_isolation') = 'read committed'
+                                     AND CASE WHEN f.s[4] <> '' THEN f.s[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
+                                              ELSE to_timestamp(nullif(f.s[5], '')::double precision)
+                                                   >= clock_timestamp() - interval '100 ms' END
+                                THEN f.s[2]::bigint END AS floor) x
      WHERE l.name = outbox_fetch.name AND l.state = 'held' AND l.expires_at IS NULL
        AND l.holder_pid = pg_backend_pid() AND l.holder_backend_start = pgbroker._my_backend_start();
+    IF v_epoch IS NULL OR v_granted THEN
+        PERFORM pgbroker._name_check('lease', outbox_fetch.name, true);
+    END IF;
     IF v_epoch IS NULL THEN
         v_epoch := pgbroker._holder_epoch(outbox_fetch.name);  -- raises the error that applies (bad name, PB001)
     END IF;
@@ -484,8 +498,7 @@ BEGIN
         PERFORM pgbroker._outbox_resolve(outbox_fetch.name, v_epoch);
     END IF;
     -- Rows that may name clients unregistered since: fetched without them (_outbox_fetch_departed).
-    IF EXISTS (SELECT FROM pgbroker.outbox_departed d
-                WHERE d.name = outbox_fetch.name AND d.epoch = v_epoch AND d.last_id > v_floor) THEN
+    IF v_departed THEN
         RETURN QUERY SELECT * FROM pgbroker._outbox_fetch_departed(outbox_fetch.name, v_epoch, v_floor, outbox_fetch.max_rows,
                                                                    outbox_fetch.ack);
         RETURN;

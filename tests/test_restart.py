@@ -12,6 +12,7 @@ import psycopg
 import pytest
 from fanout_util import (
     claim,
+    connect_in_gate,
     count,
     drain,
     fetch,
@@ -213,7 +214,9 @@ def test_subscribe_many_waits_for_a_writer_past_its_trigger_and_misses_nothing(c
     """One wait for the table's writers per call, as subscribe() waits: a writer that ran its trigger before
     the subscriptions existed commits first; every later change reaches every new subscriber."""
     broker, admin = connect("broker"), connect("admin")
-    writer = connect("open writer", autocommit=False)
+    # In the last gate of the watch lock: subscribe_many, which takes the gates in order, holds every other one
+    # while it waits for it, so the other writer below goes on past it whatever its own gate.
+    writer = connect_in_gate(connect, 15, "open writer", autocommit=False)
     claim(broker)
     seed_objects(admin, range(1, 4))
     register_many(broker, ["a", "b"])

@@ -1055,23 +1055,35 @@ AS $function$
 DECLARE
     v_epoch bigint;
     v_unresolved boolean;
+    v_departed boolean;
+    v_granted boolean;
     v_floor bigint;
 BEGIN
-    PERFORM pgbroker._name_check('lease', outbox_fetch.name, true);
-    -- The holder's epoch, whether rows await their clients, and the floor
-    -- when it has nothing to move (as _outbox_floor's first test: NULL
-    -- otherwise, and _outbox_floor runs).
+    -- The holder's epoch, whether rows await their clients, whether the
+    -- lease names have grants, the floor when it has nothing to move (as
+    -- _outbox_floor's first test: NULL otherwise, and _outbox_floor runs),
+    -- and whether a departure may hide a client from rows past it (past 0
+    -- when the floor is not known yet: the departures' path, slower, is
+    -- right whatever they hide).
     SELECT l.epoch, EXISTS (SELECT FROM pgbroker.outbox u WHERE u.name = l.name AND u.epoch = l.epoch AND u.clients IS NULL),
-           CASE WHEN f.s[1] = l.epoch::text AND cardinality(f.s) = 5
-                     AND current_setting('transaction_isolation') = 'read committed'
-                     AND CASE WHEN f.s[4] <> '' THEN f.s[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
-                              ELSE to_timestamp(nullif(f.s[5], '')::double precision) >= clock_timestamp() - interval '100 ms' END
-                THEN f.s[2]::bigint END
-      INTO v_epoch, v_unresolved, v_floor
+           EXISTS (SELECT FROM pgbroker.outbox_departed d
+                    WHERE d.name = l.name AND d.epoch = l.epoch AND d.last_id > coalesce(x.floor, 0)),
+           EXISTS (SELECT FROM pgbroker.name_grant_kind k WHERE k.kind = 'lease'),
+           x.floor
+      INTO v_epoch, v_unresolved, v_departed, v_granted, v_floor
       FROM pgbroker.lease l,
-           (SELECT string_to_array(current_setting('pgbroker.outbox_floor', true), ':') AS s) f
+           (SELECT string_to_array(current_setting('pgbroker.outbox_floor', true), ':') AS s) f,
+           LATERAL (SELECT CASE WHEN f.s[1] = l.epoch::text AND cardinality(f.s) = 5
+                                     AND current_setting('transaction_isolation') = 'read committed'
+                                     AND CASE WHEN f.s[4] <> '' THEN f.s[4]::xid8 >= pg_snapshot_xmin(pg_current_snapshot())
+                                              ELSE to_timestamp(nullif(f.s[5], '')::double precision)
+                                                   >= clock_timestamp() - interval '100 ms' END
+                                THEN f.s[2]::bigint END AS floor) x
      WHERE l.name = outbox_fetch.name AND l.state = 'held' AND l.expires_at IS NULL
        AND l.holder_pid = pg_backend_pid() AND l.holder_backend_start = pgbroker._my_backend_start();
+    IF v_epoch IS NULL OR v_granted THEN
+        PERFORM pgbroker._name_check('lease', outbox_fetch.name, true);
+    END IF;
     IF v_epoch IS NULL THEN
         v_epoch := pgbroker._holder_epoch(outbox_fetch.name);  -- raises the error that applies (bad name, PB001)
     END IF;
@@ -1086,8 +1098,7 @@ BEGIN
         PERFORM pgbroker._outbox_resolve(outbox_fetch.name, v_epoch);
     END IF;
     -- Rows that may name clients unregistered since: fetched without them (_outbox_fetch_departed).
-    IF EXISTS (SELECT FROM pgbroker.outbox_departed d
-                WHERE d.name = outbox_fetch.name AND d.epoch = v_epoch AND d.last_id > v_floor) THEN
+    IF v_departed THEN
         RETURN QUERY SELECT * FROM pgbroker._outbox_fetch_departed(outbox_fetch.name, v_epoch, v_floor, outbox_fetch.max_rows,
                                                                    outbox_fetch.ack);
         RETURN;
