@@ -50,6 +50,16 @@ alternately with it:
    the writer backend's own CPU per UPDATE in one session with
    synchronous_commit off (no WAL flush, no consumers in the figure), in
    alternating rounds.  Diagnostic only: the stripped triggers are not correct.
+6. Only with --only shared (half a minute, run first): what a watched single-row UPDATE
+   shares with every other writer's (issue 44), in row and statement mode,
+   the transactional outbox and the prototype: the lock tags that two writers
+   (in two gates of the watch and drain locks) both hold, from pg_locks, and
+   the try-locks that fail on every writer while the broker drains (each an
+   operation on the tag's lock-manager partition); and the pages each UPDATE
+   reads and writes per relation (pg_statio, 2,000 UPDATEs), of which the
+   outbox's, its indexes' and its sequence's are written by every writer.
+   Target: row mode's lock-manager operations on shared tags at most the
+   prototype's.
 
 The broker is a thread holding the lease on its own connection.  Its loop is
 plain psycopg calls to the SQL API: broker_wake(); outbox_fetch(max 1000, ack =>
@@ -1667,6 +1677,12 @@ def run(cfg: Settings) -> Results:
                 else {}
             )
             broker.start()
+            try:
+                if cfg.runs("shared"):  # first, while no other consumer reads (pg_statio counts every session)
+                    bench_shared(url, conn, broker, results)
+            except BaseException:
+                broker.stop()
+                raise
             for consumer in consumers.values():
                 consumer.start()
             try:
@@ -1680,8 +1696,6 @@ def run(cfg: Settings) -> Results:
                     bench_latency(url, conn, broker, cfg, results)
                 if cfg.runs("guarantees"):
                     bench_guarantees(url, conn, broker, consumers["peer_c"], pgbench, cfg, results)
-                if cfg.runs("shared"):
-                    bench_shared(url, conn, broker, results)
                 if cfg.explain:
                     explain_triggers(conn)
             finally:
