@@ -266,7 +266,9 @@ def test_status_watch_refreshes_until_interrupted(db_url, connect):
                 break
         assert names == ["late-lease"]
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        # communicate(), not wait(): it keeps reading the pipes, so the process never blocks writing its last lines.
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
     finally:
         if proc.poll() is None:
             proc.kill()
