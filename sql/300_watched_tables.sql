@@ -60,7 +60,7 @@ COMMENT ON FUNCTION pgbroker._lock_gate_key(integer, integer) IS
 
 CREATE FUNCTION pgbroker._lock_gate(p_key integer)
 RETURNS integer LANGUAGE sql STABLE PARALLEL SAFE
-AS $$ SELECT (p_key % 134217728) * 16 + pg_catalog.pg_backend_pid() % 16 $$;
+AS $$ SELECT pgbroker._lock_gate_key(p_key, pg_catalog.pg_backend_pid() % pgbroker._lock_gates()) $$;
 COMMENT ON FUNCTION pgbroker._lock_gate(integer) IS
     'Internal: the second key of this session''s gate of the gated lock p_key (by its pid; inlined in the triggers).';
 

@@ -1486,7 +1486,7 @@ CREATE OR REPLACE FUNCTION pgbroker._lock_gate(p_key integer)
  RETURNS integer
  LANGUAGE sql
  STABLE PARALLEL SAFE
-AS $function$ SELECT (p_key % 134217728) * 16 + pg_catalog.pg_backend_pid() % 16 $function$;
+AS $function$ SELECT pgbroker._lock_gate_key(p_key, pg_catalog.pg_backend_pid() % pgbroker._lock_gates()) $function$;
 COMMENT ON FUNCTION pgbroker._lock_gate(integer) IS 'Internal: the second key of this session''s gate of the gated lock p_key (by its pid; inlined in the triggers).';
 REVOKE ALL ON FUNCTION pgbroker._lock_gate(integer) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION pgbroker._lock_gate_key(p_key integer, p_gate integer)
