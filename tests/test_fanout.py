@@ -12,6 +12,7 @@ from fanout_util import (
     OBJECTS,
     ack,
     claim,
+    connect_in_gate,
     drain,
     fetch,
     listen,
@@ -758,11 +759,12 @@ def test_sleep_reports_busy_while_a_writer_that_saw_it_awake_is_open(connect, wa
 def test_writers_go_on_seeing_the_broker_awake_while_it_waits_to_sleep(connect, watch_mode):
     # broker_sleep() waits for writers that saw it awake by tries, never by a queued lock request: a request
     # would make every writer that comes meanwhile take it for a broker going to sleep, and NOTIFY (each
-    # NOTIFY serialises commits).  Writers that come while it waits see it awake and stay silent.
+    # NOTIFY serialises commits).  Writers that come while it waits see it awake and stay silent, whatever
+    # their gate: broker_sleep() takes the gates all or none, never holding the first while waiting for the last.
     broker, writer, other, listener = (
         connect("broker"),
-        connect("writer", autocommit=False),
-        connect("other"),
+        connect_in_gate(connect, 15, "writer", autocommit=False),
+        connect_in_gate(connect, 0, "other"),
         connect("listener"),
     )
     claim(broker)

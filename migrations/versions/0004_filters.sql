@@ -1663,13 +1663,21 @@ DECLARE
 BEGIN
     SELECT lock_key INTO v_key FROM pgbroker.lease l WHERE l.name = v_name;
     -- Wait, still awake, until no writer holds a gate of the drain lock, and
-    -- take each: by tries, so that writers never find a request of ours
+    -- take them all: by tries, so that writers never find a request of ours
     -- queued (they would take it for a broker going to sleep, and NOTIFY),
-    -- and at most WAIT (a long writer transaction must not keep us from
-    -- draining; the gates taken are then held until this returns).
-    FOR v_gate_key IN SELECT pgbroker._lock_gate_key(v_key, g) FROM generate_series(0, pgbroker._lock_gates() - 1) g
-                      UNION ALL SELECT v_key LOOP  -- and the key itself (300_watched_tables.sql)
-        WHILE NOT pg_try_advisory_xact_lock(pgbroker._lock_class_drain(), v_gate_key) LOOP
+    -- and all or none (a gate held while another is waited for would tell
+    -- its writers the same), at most WAIT (a long writer transaction must
+    -- not keep us from draining).
+    LOOP
+        BEGIN
+            FOR v_gate_key IN SELECT pgbroker._lock_gate_key(v_key, g) FROM generate_series(0, pgbroker._lock_gates() - 1) g
+                              UNION ALL SELECT v_key LOOP  -- and the key itself (300_watched_tables.sql)
+                IF NOT pg_try_advisory_xact_lock(pgbroker._lock_class_drain(), v_gate_key) THEN
+                    RAISE EXCEPTION USING ERRCODE = 'lock_not_available';  -- gives back the gates taken
+                END IF;
+            END LOOP;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
             IF clock_timestamp() >= v_deadline THEN
                 IF NOT pgbroker._awake_held(v_awake) THEN
                     PERFORM pg_advisory_lock(pgbroker._lock_class_awake(), v_awake);
@@ -1677,7 +1685,7 @@ BEGIN
                 RETURN 'busy';
             END IF;
             PERFORM pg_sleep(0.001);
-        END LOOP;
+        END;
     END LOOP;
     -- Every gate of the drain lock is ours until this returns: writers from now on NOTIFY.
     IF pgbroker._awake_held(v_awake) THEN
