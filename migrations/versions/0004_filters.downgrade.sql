@@ -25,7 +25,7 @@ SELECT pgbroker._watch_lock_table(w.relid::regclass, NULL), pgbroker._watch_crea
  ORDER BY w.watch_id;
 DELETE FROM pgbroker.subscription s WHERE jsonb_typeof(s.row_key) = 'object';
 DELETE FROM pgbroker.interest i WHERE jsonb_typeof(i.row_key) = 'object';
-ALTER TABLE pgbroker.interest DROP COLUMN range_box;  -- and its index interest_range
+ALTER TABLE pgbroker.interest DROP COLUMN range_box, SET (fillfactor = 70);  -- and its index interest_range
 DROP TRIGGER _600_render ON pgbroker.filter_shape;
 DROP TABLE pgbroker.filter_shape;
 -- The view subscriptions without its column filter (DROP and CREATE: its grants and comments again).

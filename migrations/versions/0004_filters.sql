@@ -1740,8 +1740,9 @@ SELECT count(pgbroker._watch_create_functions(w)) FROM pgbroker.watched w;
 -- The interest's box of range filters, and its SP-GiST index (ACCESS
 -- EXCLUSIVE on the interest, held to commit, as the outbox's below: a
 -- nullable column without a default rewrites nothing; the index, partial,
--- reads the interest once and holds none of its rows).
-ALTER TABLE pgbroker.interest ADD COLUMN range_box box;
+-- reads the interest once and holds none of its rows).  Its fill factor,
+-- 45 (sql/400_subscriptions.sql), applies to the pages written from now on.
+ALTER TABLE pgbroker.interest ADD COLUMN range_box box, SET (fillfactor = 45);
 COMMENT ON COLUMN pgbroker.interest.range_box IS 'For a range filter''s key: its bounds (x) and its table, column and other columns'' values (a hash, y), for the SP-GiST probe; NULL otherwise.';
 CREATE INDEX interest_range ON pgbroker.interest USING spgist (range_box) WHERE range_box IS NOT NULL;
 
