@@ -131,6 +131,54 @@ def test_subscribe_filters_in_bulk(connect, watch_mode):
     assert told(conn) == [("I", 1, tuple(sorted(f"c{i}" for i in range(3, 100, 10))), ())]
 
 
+def test_a_bulk_of_several_shapes_subscribes_each_filter_as_given(connect):
+    """_filter_points reads a bulk first as every filter on the first one's column: a bulk that is not takes the
+    other paths, whichever filter breaks the pattern, and a bad filter anywhere is named."""
+    conn = connect()
+    filters = [
+        {"team": 1},
+        {"team": "2"},  # a JSON string, compared as the column's type
+        {"team": None},
+        {"status": "open"},  # another column
+        {"team": 3, "status": "x"},  # two columns
+        {"team": {"in": [4, 5]}},
+    ]
+    clients = [f"c{i}" for i in range(len(filters))]
+    _setup(conn, "row", clients)
+    n = conn.execute(
+        "SELECT pgbroker.subscribe_filters(%s, %s::regclass, %s)", (clients, TABLE, [Jsonb(f) for f in filters])
+    ).fetchone()[0]
+    assert n == 7
+    rows = conn.execute("SELECT client_id, filter FROM pgbroker.subscriptions ORDER BY 1, 2::text").fetchall()
+    assert rows == [
+        ("c0", {"team": 1}),
+        ("c1", {"team": 2}),
+        ("c2", {"team": None}),
+        ("c3", {"status": "open"}),
+        ("c4", {"status": "x", "team": 3}),
+        ("c5", {"team": 4}),
+        ("c5", {"team": 5}),
+    ]
+    conn.execute("INSERT INTO tickets (id, team, status) VALUES (1, 2, 'open'), (2, NULL, 'x'), (3, 5, NULL)")
+    assert told(conn) == [("I", 1, ("c1", "c3"), ()), ("I", 2, ("c2",), ()), ("I", 3, ("c5",), ())]
+    for second, state in [
+        (["team"], "22023"),
+        ("team", "22023"),
+        ({}, "22023"),
+        ({"nope": 1}, "42703"),
+        ({"team": "x"}, "22P02"),
+        ({"team": [1]}, "22023"),
+        ({"team": 1, "nope": 2}, "42703"),
+    ]:
+        with pytest.raises(psycopg.Error) as exc:
+            conn.execute(
+                "SELECT pgbroker.subscribe_filters(%s, %s::regclass, %s)",
+                (["c0", "c1", "c2"], TABLE, [Jsonb({"team": 9}), Jsonb(second), Jsonb({"team": 10})]),
+            )
+        assert sqlstate(exc) == state and "filters[2]" in str(exc.value), (second, exc.value)
+    assert conn.execute("SELECT count(*) FROM pgbroker.subscription").fetchone()[0] == 7
+
+
 def test_ranges_of_each_class_move_rows_in_and_out(connect, watch_mode):
     conn = connect()
     conn.execute(
