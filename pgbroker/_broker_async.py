@@ -80,6 +80,7 @@ from pgbroker._core import (
     _Waiter,
     batches,
     filter_rows_query,
+    grouped,
     maintain_pause,
     register_params,
     rows_query,
@@ -368,13 +369,17 @@ class AsyncBroker(_BrokerBase):
         ``batch_size`` per statement (``subscribe_many``): one round trip and
         one wait for the table's writers per batch, with the guarantee of
         :meth:`subscribe` (no gap: read the rows after this returns).  Returns
-        how many subscriptions were new.  Each batch commits on its own: when
-        one fails (:class:`UnknownClient`, a bad key; the message names the
-        position in the batch), the batches before it are kept.  ``wait`` is
-        per batch, and never more than the guard has left (see :meth:`subscribe`).
+        how many subscriptions were new.  The pairs of one key go in one batch
+        where they fit (grouped, each key where its first pair came), so a
+        key's interest is written once, not once per batch that has one of its
+        clients.  Each batch commits on its own: when one fails
+        (:class:`UnknownClient`, a bad key; the message names the client, or
+        the key and its position in the batch), the batches before it are
+        kept.  ``wait`` is per batch, and never more than the guard has left
+        (see :meth:`subscribe`).
         """
         new = 0
-        for batch in batches(subscriptions, batch_size):
+        for batch in batches(grouped(subscriptions), batch_size):
             params = subscribe_params(self.name, table, batch, None)
             new += int(await self._registry_scalar(SUBSCRIBE_MANY_SQL, params, wait=wait))
         return new
@@ -463,11 +468,12 @@ class AsyncBroker(_BrokerBase):
         """Subscribe many ``(client_id, filter)`` pairs to the rows of ``table`` matching each filter.
 
         As :meth:`subscribe_many` (``subscribe_filters``: one statement per
-        batch, set-based); returns how many subscriptions were new (a filter
-        with ``in`` counts one per value).
+        batch, set-based, the pairs of one filter in one batch where they
+        fit); returns how many subscriptions were new (a filter with ``in``
+        counts one per value).
         """
         new = 0
-        for batch in batches(subscriptions, batch_size):
+        for batch in batches(grouped(subscriptions), batch_size):
             params = subscribe_filters_params(self.name, table, batch, None)
             new += int(await self._registry_scalar(SUBSCRIBE_FILTERS_SQL, params, wait=wait))
         return new

@@ -321,6 +321,24 @@ def batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
+def grouped(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``(client_id, key or filter)`` pairs with each key's (or filter's) pairs together, in the order of their first.
+
+    The interest (sql/400_subscriptions.sql) holds one row per key (per point
+    of a filter) with the ids of all its clients: a batch writes each row it
+    touches once, however many of the batch's clients it gains.  Ten clients
+    of a filter spread over ten batches rewrite its row ten times; together,
+    once (bench_filters: a bulk of 100,000 filters, ten clients per value,
+    took 0.66x the backend CPU grouped, at 1.41x the filters per second).
+    Keys compare as Python sees them (``repr``): equal values written
+    differently (``1``, ``1.0``) are only grouped less well.
+    """
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    for pair in pairs:
+        groups.setdefault(repr(pair[1]), []).append(pair)
+    return [pair for group in groups.values() for pair in group]
+
+
 def register_params(name: str, batch: list[Any]) -> dict[str, Any]:
     """Parameters of REGISTER_MANY_SQL for a batch of client ids or ``(client_id, info)`` pairs (info None: ``{}``)."""
     ids: list[Any] = []

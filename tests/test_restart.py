@@ -366,6 +366,36 @@ def test_broker_register_many_and_subscribe_many_batch_and_count(db_url, connect
         assert sorted(got[0].clients) == list("abcdef")
 
 
+def test_broker_sends_the_pairs_of_one_key_or_filter_in_one_batch(db_url, connect):
+    """subscribe_many and subscribe_filters group their pairs by key (by filter): each key's clients are subscribed
+    by one statement, so its interest row is written once, not once per batch (bench_filters, part c)."""
+    admin = connect("admin")
+    seed_objects(admin, range(1, 4))
+    with Broker(db_url, "grp", heartbeat_interval=0.2) as broker:
+        broker.register_many(list("abcdef"))
+        pairs = [(c, k) for c, k in zip("abcdef", [1, 2, 3, 1, 2, 3], strict=True)]
+        assert broker.subscribe_many(pairs, "initech.objects", batch_size=2) == 6
+        kinds = [(c, {"kind": k}) for c, k in zip("abcdef", ["gear", "bolt", "nut"] * 2, strict=True)]
+        assert broker.subscribe_filters(kinds, "initech.objects", batch_size=2) == 6
+        # One transaction per key: its subscriptions' and its interest row's xmin (never updated since).
+        rows = admin.execute(
+            """SELECT i.row_key, i.clients, i.xmin::text, array_agg(DISTINCT s.xmin::text)
+                 FROM pgbroker.interest i
+                 JOIN pgbroker.subscription s ON s.watch_id = i.watch_id AND s.row_key = i.row_key
+                WHERE i.name = 'grp' GROUP BY i.row_key, i.clients, i.xmin::text ORDER BY i.row_key::text"""
+        ).fetchall()
+        assert [(r[0], sorted(r[1])) for r in rows] == [
+            (1, ["a", "d"]),
+            (2, ["b", "e"]),
+            (3, ["c", "f"]),
+            ({"kind": "bolt"}, ["b", "e"]),
+            ({"kind": "gear"}, ["a", "d"]),
+            ({"kind": "nut"}, ["c", "f"]),
+        ]
+        assert all(r[3] == [r[2]] for r in rows), rows
+        assert len({r[2] for r in rows}) == 6
+
+
 def _first(iterator):
     for batch in iterator:
         yield batch
