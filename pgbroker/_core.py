@@ -43,13 +43,16 @@ log = logging.getLogger("pgbroker.broker")
 
 # Every statement the Python layer runs.  Always schema-qualified, always with
 # bound parameters.  The broker session turns statement_timeout off: the
-# claim's ``wait`` is its only time limit (wait => NULL must mean forever).
+# claim's ``wait`` is its only time limit (wait => NULL must mean forever),
+# and runs its calls at READ COMMITTED whatever the database's default
+# (client_unregister refuses the other levels, PB011).
 SESSION_SQL = """\
 SELECT pg_catalog.set_config('tcp_keepalives_idle', %(idle)s, false),
        pg_catalog.set_config('tcp_keepalives_interval', %(interval)s, false),
        pg_catalog.set_config('tcp_keepalives_count', %(count)s, false),
        pg_catalog.set_config('tcp_user_timeout', %(user_timeout)s, false),
-       pg_catalog.set_config('statement_timeout', '0', false)"""
+       pg_catalog.set_config('statement_timeout', '0', false),
+       pg_catalog.set_config('default_transaction_isolation', 'read committed', false)"""
 # The registry connections commit without waiting for the WAL flush: a
 # server crash (or a failover) that loses their last commits also ends the
 # epoch they belong to (the lease session dies with the server), and a new

@@ -32,6 +32,7 @@ __all__ = [
     "PermissionDenied",
     "InvalidArgument",
     "UnknownClient",
+    "ReadCommittedRequired",
     "NotWatchable",
     "NotWatched",
     "NotAcquired",
@@ -173,6 +174,12 @@ class UnknownClient(PgBrokerError):
     """PB010: no such client is registered with this broker."""
 
 
+class ReadCommittedRequired(PgBrokerError):
+    """PB011: ``client_unregister`` (or ``client_unregister_many``) in a REPEATABLE READ or SERIALIZABLE transaction,
+    whose snapshot would hide subscriptions made since it began.  The :class:`Broker` runs its calls at READ
+    COMMITTED; this comes from SQL run in a transaction of the caller's."""
+
+
 class NotWatchable(PgBrokerError):
     """PB020 / 42809 / 42P01: the table cannot be watched (no primary key, a view, missing)."""
 
@@ -245,6 +252,7 @@ _BY_SQLSTATE: dict[str, type[PgBrokerError]] = {
     "54000": InvalidArgument,
     "PB023": InvalidArgument,
     "PB010": UnknownClient,
+    "PB011": ReadCommittedRequired,
     "PB020": NotWatchable,
     "42809": NotWatchable,
     "42P01": NotWatchable,

@@ -259,6 +259,32 @@ $$;
 COMMENT ON FUNCTION pgbroker._check_arrays(text, integer, integer, text, integer, integer, boolean) IS
     'Internal: check the arrays of a set-based call (not NULL, one-dimensional, of the same length); returns the length.';
 
+-- Unregistering needs statements that see what committed before them: the
+-- client's subscriptions go with it (400_subscriptions.sql), found by a
+-- statement of the delete's trigger.  In a REPEATABLE READ or SERIALIZABLE
+-- transaction that statement reads the transaction's snapshot, which hides
+-- a subscription committed since; that subscription (and the client's id
+-- in the interest) would outlive the client, and a client registered again
+-- under the same id would be told of that row.  No lock can reveal a commit
+-- that came before it, so those levels are refused (PB011) before anything
+-- is changed.  At READ COMMITTED a subscribe either committed before the
+-- trigger's statement (which sees it) or still holds the client's row (the
+-- delete waits for it, then the trigger's statement sees it).
+CREATE FUNCTION pgbroker._check_read_committed(p_call text)
+RETURNS void
+LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION '% needs a READ COMMITTED transaction, not %', p_call, upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'PB011',
+                  HINT = 'Call it in a transaction of its own or at READ COMMITTED: this transaction''s snapshot hides the subscriptions made since it began, which would outlive the client.';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION pgbroker._check_read_committed(text) IS
+    'Internal: PB011 unless the transaction is READ COMMITTED; p_call names the caller in the message.';
+
 CREATE FUNCTION pgbroker.client_register(client_id text, info jsonb DEFAULT '{}', name text DEFAULT 'default', epoch bigint DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql
@@ -385,6 +411,7 @@ DECLARE
     v_epoch bigint := pgbroker._acting_epoch(v_name, client_unregister.epoch);
     v_key bigint;
 BEGIN
+    PERFORM pgbroker._check_read_committed('client_unregister');
     SELECT client_key INTO v_key FROM pgbroker.client c
      WHERE c.name = v_name AND c.epoch = v_epoch AND c.client_id = client_unregister.client_id;
     IF NOT FOUND THEN
@@ -399,7 +426,7 @@ BEGIN
 END
 $$;
 COMMENT ON FUNCTION pgbroker.client_unregister(text, text, bigint) IS
-    'Holder only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';
+    'Holder only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered. PB011 in a REPEATABLE READ or SERIALIZABLE transaction.';
 
 -- A deploy disconnects every client at once.  Each id is looked up by its
 -- unique key (a probe each, never a plan made on the statistics of a table
@@ -421,6 +448,7 @@ DECLARE
     v_watched boolean;
     v_announced bigint;
 BEGIN
+    PERFORM pgbroker._check_read_committed('client_unregister_many');
     PERFORM pgbroker._check_arrays('client_ids', array_ndims(client_unregister_many.client_ids),
                                    cardinality(client_unregister_many.client_ids), NULL, NULL, NULL, true);
     -- The first bad id, with the error the one-row call gives, naming its position.
@@ -454,4 +482,4 @@ END
 $$;
 COMMENT ON FUNCTION pgbroker.client_unregister_many(text[], text, bigint) IS
 $$Holder only: unregister every client of CLIENT_IDS of lease NAME in one statement, with all their subscriptions; returns how many were registered (ids not registered, or given twice, count once or not at all).
-As client_unregister() otherwise: from the holder's session or with the holder's current EPOCH. 22004 / 22023 for a NULL array or a NULL, empty or too long id, naming its position (client_ids[3]); nothing of the call is kept then.$$;
+As client_unregister() otherwise: from the holder's session or with the holder's current EPOCH, PB011 in a REPEATABLE READ or SERIALIZABLE transaction. 22004 / 22023 for a NULL array or a NULL, empty or too long id, naming its position (client_ids[3]); nothing of the call is kept then.$$;

@@ -324,6 +324,79 @@ def test_a_departure_that_waits_for_a_subscribe_keeps_the_client_it_added(connec
     assert summary(drain(broker)) == [("U", 1, ["name"], ("z",))]
 
 
+def _orphans(conn: psycopg.Connection) -> list[tuple]:
+    """Subscriptions whose client is gone, and interest rows naming a client id no registered client has."""
+    return conn.execute(
+        """SELECT 'subscription', s.client_key::text, s.row_key FROM pgbroker.subscription s
+            WHERE NOT EXISTS (SELECT FROM pgbroker.client c WHERE c.client_key = s.client_key)
+           UNION ALL
+           SELECT 'interest', c.id, i.row_key FROM pgbroker.interest i CROSS JOIN LATERAL unnest(i.clients) AS c(id)
+            WHERE NOT EXISTS (SELECT FROM pgbroker.client k WHERE k.name = i.name AND k.epoch = i.epoch
+                                                           AND k.client_id = c.id)"""
+    ).fetchall()
+
+
+@pytest.mark.parametrize("call", ["client_unregister('x', epoch => %s)", "client_unregister_many('{x}', epoch => %s)"])
+def test_an_unregister_takes_the_subscriptions_made_while_it_waited_or_refuses_an_older_snapshot(connect, call):
+    """The client's subscriptions go with it, those committed after its transaction began too.  At READ COMMITTED
+    (the default) an unregister that waited for a subscribe of its client takes the new subscription, and one
+    that follows a committed subscribe sees it.  At REPEATABLE READ or SERIALIZABLE the transaction's snapshot
+    would hide a subscription committed since it began, which would outlive the client (and reach a client
+    registered again under its id): PB011, before anything is changed."""
+    broker, unregistering, writer = connect("broker"), connect("unregister", autocommit=False), connect("writer")
+    epoch = claim(broker)
+    seed_objects(writer, [1, 2, 3])
+    register(broker, "x")
+    subscribe(broker, "x", key=1)
+    # A subscribe committed after the unregistering transaction's first statement.
+    unregistering.execute("SELECT 1").fetchall()
+    subscribe(broker, "x", key=2)
+    with broker.transaction():  # a subscribe under way: the unregister waits for it
+        subscribe(broker, "x", key=3)
+        thread = threading.Thread(target=lambda: unregistering.execute(f"SELECT pgbroker.{call}", (epoch,)))
+        thread.start()
+        wait_until(lambda: writer.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name = 'unregister'"
+        ).fetchone()[0] == 1)  # fmt: skip
+    thread.join(10)
+    unregistering.commit()
+    assert writer.execute("SELECT count(*) FROM pgbroker.subscription").fetchone() == (0,)
+    assert writer.execute("SELECT count(*) FROM pgbroker.interest").fetchone() == (0,)
+    assert _orphans(writer) == []
+
+    register(broker, "x")
+    subscribe(broker, "x", key=1)
+    for level in ("REPEATABLE READ", "SERIALIZABLE"):
+        unregistering.execute(f"SET TRANSACTION ISOLATION LEVEL {level}")
+        unregistering.execute("SELECT 1").fetchall()
+        subscribe(broker, "x", key=2)
+        with pytest.raises(psycopg.Error) as info:
+            unregistering.execute(f"SELECT pgbroker.{call}", (epoch,))
+        unregistering.rollback()
+        assert info.value.sqlstate == "PB011"
+        assert f"needs a READ COMMITTED transaction, not {level}" in info.value.diag.message_primary
+        assert sorted(r[0] for r in writer.execute("SELECT key FROM pgbroker.subscriptions").fetchall()) == [1, 2]
+        unsubscribe(broker, "x", key=2)
+    writer.execute("UPDATE initech.objects SET name = 'y' WHERE id IN (1, 2)")
+    assert summary(drain(broker)) == [("U", 1, ["name"], ("x",))]
+    assert _orphans(writer) == []
+
+
+def test_the_broker_unregisters_at_read_committed_whatever_the_database_default(db_url, connect, db_name):
+    """The Python Broker runs its calls at READ COMMITTED, so a database whose default is SERIALIZABLE does not
+    make its unregisters fail (PB011)."""
+    from pgbroker import Broker
+
+    admin = connect("admin")
+    admin.execute(f'ALTER DATABASE "{db_name}" SET default_transaction_isolation = serializable')
+    with Broker(db_url, "ser", heartbeat_interval=0.2) as broker:
+        broker.register("x")
+        broker.subscribe("x", OBJECTS, 1)
+        assert broker.unregister("x") is True
+        assert broker.unregister_many(["x"]) == 0
+    assert _orphans(admin) == []
+
+
 def test_fetch_lists_clients_in_subscription_order_and_leaves_out_unregistered_ones(connect, watch_mode):
     broker, writer = connect("broker"), connect("writer")
     claim(broker)

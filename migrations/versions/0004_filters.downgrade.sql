@@ -459,6 +459,79 @@ Rows stay until acknowledged, by outbox_ack() or by passing their ids as ACK to 
 trip less): at-least-once delivery within the epoch.';
 REVOKE ALL ON FUNCTION pgbroker.outbox_fetch(text,integer,bigint[]) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION pgbroker.outbox_fetch(text,integer,bigint[]) TO pgbroker_broker;
+DROP FUNCTION pgbroker._check_read_committed(text);
+CREATE OR REPLACE FUNCTION pgbroker.client_unregister(client_id text, name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_name text := pgbroker._check_name(client_unregister.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_unregister.epoch);
+    v_key bigint;
+BEGIN
+    SELECT client_key INTO v_key FROM pgbroker.client c
+     WHERE c.name = v_name AND c.epoch = v_epoch AND c.client_id = client_unregister.client_id;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    DELETE FROM pgbroker.client WHERE client_key = v_key;   -- subscriptions go with it (400_subscriptions.sql)
+    IF pgbroker._registry_watched(v_name) THEN
+        PERFORM pg_notify('pgbroker_registry_' || md5(v_name),
+                          pgbroker._registry_client_event('unregister', v_name, v_epoch, client_unregister.client_id, NULL));
+    END IF;
+    RETURN true;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker.client_unregister(text,text,bigint) IS 'Holder only: unregister client CLIENT_ID and drop all its subscriptions; false when it was not registered.';
+CREATE OR REPLACE FUNCTION pgbroker.client_unregister_many(client_ids text[], name text DEFAULT 'default'::text, epoch bigint DEFAULT NULL::bigint)
+ RETURNS bigint
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_name text := pgbroker._check_name(client_unregister_many.name);
+    v_epoch bigint := pgbroker._acting_epoch(v_name, client_unregister_many.epoch);
+    v_bad integer;
+    v_gone bigint;
+    v_watched boolean;
+    v_announced bigint;
+BEGIN
+    PERFORM pgbroker._check_arrays('client_ids', array_ndims(client_unregister_many.client_ids),
+                                   cardinality(client_unregister_many.client_ids), NULL, NULL, NULL, true);
+    -- The first bad id, with the error the one-row call gives, naming its position.
+    SELECT min(u.i) INTO v_bad
+      FROM unnest(client_unregister_many.client_ids) WITH ORDINALITY AS u(id, i)
+     WHERE u.id IS NULL OR u.id = '' OR octet_length(u.id) > 200;
+    IF v_bad IS NOT NULL THEN
+        PERFORM pgbroker._check_client_id(client_unregister_many.client_ids[v_bad], format('client_ids[%s]', v_bad));
+    END IF;
+    v_watched := pgbroker._registry_watched(v_name);
+    -- (A FILTER is tested before its aggregate's argument: nothing is
+    -- announced while nobody watches.)
+    WITH gone AS (
+        DELETE FROM pgbroker.client c
+         WHERE c.client_key = ANY (ARRAY(
+                   SELECT x.client_key
+                     FROM (SELECT DISTINCT u.id FROM unnest(client_unregister_many.client_ids) AS u(id)) g
+                    CROSS JOIN LATERAL (SELECT k.client_key FROM pgbroker.client k
+                                         WHERE k.name = v_name AND k.epoch = v_epoch AND k.client_id = g.id
+                                         OFFSET 0) x))
+        RETURNING c.client_id
+    )
+    SELECT count(*),
+           sum(num_nulls(pg_notify('pgbroker_registry_' || md5(v_name),
+                                   pgbroker._registry_client_event('unregister', v_name, v_epoch, r.client_id, NULL))))
+               FILTER (WHERE v_watched)
+      INTO v_gone, v_announced
+      FROM gone r;
+    RETURN v_gone;
+END
+$function$;
+COMMENT ON FUNCTION pgbroker.client_unregister_many(text[],text,bigint) IS 'Holder only: unregister every client of CLIENT_IDS of lease NAME in one statement, with all their subscriptions; returns how many were registered (ids not registered, or given twice, count once or not at all).
+As client_unregister() otherwise: from the holder''s session or with the holder''s current EPOCH. 22004 / 22023 for a NULL array or a NULL, empty or too long id, naming its position (client_ids[3]); nothing of the call is kept then.';
 CREATE OR REPLACE FUNCTION pgbroker.schema_version()
  RETURNS text
  LANGUAGE sql
