@@ -872,8 +872,9 @@ def filters_markdown(data: dict[str, Any]) -> str:
     bulk = a["bulk"]
     out += [
         "",
-        f"Bulk: `subscribe_filters` of {bulk['filters']:,} filters in batches of {s.get('batch', 10_000):,}, the"
-        f" clients registered first: {bulk['s']:.2f} s, {bulk['filters_per_s']:,.0f} filters/s.",
+        f"Bulk: `subscribe_filters` of {bulk['filters']:,} filters (ten clients on each value, given client after"
+        f" client) in batches of {s.get('batch', 10_000):,} grouped by filter, as `Broker.subscribe_filters` sends"
+        f" them, the clients registered first: {bulk['s']:.2f} s, {bulk['filters_per_s']:,.0f} filters/s.",
     ]
     lat = data.get("latency")
     if lat is not None:
