@@ -357,9 +357,10 @@ class Broker(_BrokerBase):
         one wait for the table's writers per batch, with the guarantee of
         :meth:`subscribe` (no gap: read the rows after this returns).  Returns
         how many subscriptions were new.  The pairs of one key go in one batch
-        where they fit (grouped, each key where its first pair came), so a
-        key's interest is written once, not once per batch that has one of its
-        clients.  Each batch commits on its own: when one fails
+        where they fit, and the keys that share clients together (grouped:
+        each set where its first pair came), so a key's interest is written
+        once, not once per batch that has one of its clients, and a client is
+        locked by few batches.  Each batch commits on its own: when one fails
         (:class:`UnknownClient`, a bad key; the message names the client, or
         the key and its position in the batch), the batches before it are
         kept.  ``wait`` is per batch, and never more than the guard has left
@@ -456,7 +457,7 @@ class Broker(_BrokerBase):
 
         As :meth:`subscribe_many` (``subscribe_filters``: one statement per
         batch, set-based, the pairs of one filter in one batch where they
-        fit); returns how many subscriptions were new (a filter with ``in``
+        fit, the filters that share clients together); returns how many subscriptions were new (a filter with ``in``
         counts one per value).
         """
         new = 0

@@ -396,6 +396,33 @@ def test_broker_sends_the_pairs_of_one_key_or_filter_in_one_batch(db_url, connec
         assert len({r[2] for r in rows}) == 6
 
 
+def test_broker_sends_the_keys_that_share_clients_in_one_batch(db_url, connect):
+    """The keys (filters) that share clients go together: each client is locked by one statement, not by one per
+    batch that has one of its keys.  Given client after client, grouped by key alone, each batch of four would have
+    held all four clients."""
+    admin = connect("admin")
+    seed_objects(admin, range(1, 5))
+    with Broker(db_url, "part", heartbeat_interval=0.2) as broker:
+        broker.register_many(list("abcd"))
+        # a and c share keys 1 and 2, b and d keys 3 and 4; the pairs come client after client.
+        keys = {"a": (1, 2), "b": (3, 4), "c": (1, 2), "d": (3, 4)}
+        pairs = [(c, keys[c][n]) for n in range(2) for c in "abcd"]
+        assert broker.subscribe_many(pairs, "initech.objects", batch_size=4) == 8
+        teams = {"a": ("gear", "bolt"), "b": ("nut", "cog"), "c": ("gear", "bolt"), "d": ("nut", "cog")}
+        filters = [(c, {"kind": teams[c][n]}) for n in range(2) for c in "abcd"]
+        assert broker.subscribe_filters(filters, "initech.objects", batch_size=4) == 8
+        rows = admin.execute(
+            """SELECT c.client_id, jsonb_typeof(s.row_key) = 'object', array_agg(DISTINCT s.xmin::text)
+                 FROM pgbroker.subscription s JOIN pgbroker.client c USING (client_key)
+                WHERE c.name = 'part' GROUP BY 1, 2 ORDER BY 1, 2"""
+        ).fetchall()
+        assert [(r[0], r[1], len(r[2])) for r in rows] == [(c, f, 1) for c in "abcd" for f in (False, True)], rows
+        # Two batches per call: a and c in one, b and d in the other.
+        by_client = {(r[0], r[1]): r[2][0] for r in rows}
+        for f in (False, True):
+            assert by_client["a", f] == by_client["c", f] != by_client["b", f] == by_client["d", f]
+
+
 def _first(iterator):
     for batch in iterator:
         yield batch

@@ -23,9 +23,12 @@ b) the CPU per UPDATE of a row matching k = 1, 10 and 100 filter
    column, so each matches k clients before and after; ROUNDS rounds of
    every k, interleaved, summed (the CPU clock ticks every 10 ms);
 c) bulk filter subscription: ``subscribe_filters`` of 100,000 filters (ten
-   clients on each of 10,000 values, the pairs given client after client)
-   in batches of 10,000 grouped by filter, as ``Broker.subscribe_filters()``
-   sends them (the grouping timed too; the clients registered first).
+   clients on each of 10,000 values, the pairs given client after client;
+   each client's ten values are those of nine other clients, so the pairs
+   fall into 1,000 sets of ten clients and ten values) in batches of 10,000
+   grouped by filter and by the clients the filters share, as
+   ``Broker.subscribe_filters()`` sends them (the grouping timed too; the
+   clients registered first).
    Target: at least 50,000 filters/s;
 b') the same with range filters (``{"team": {"gte": -k, "lte": -k}}``; the
    others ``{"team": {"gte": v, "lt": v + 1}}``) on a twin table, the same
@@ -132,7 +135,7 @@ def _register(broker: psycopg.Connection, ids: list[str]) -> None:
 
 
 def _subscribe(broker: psycopg.Connection, table: str, pairs: list[tuple[str, dict]]) -> float:
-    """subscribe_filters in batches, as Broker.subscribe_filters() calls it (grouped by filter); returns the seconds
+    """subscribe_filters in batches, as Broker.subscribe_filters() calls it (grouped); returns the seconds
     it took."""
     t = time.perf_counter()
     for batch in batches(grouped(pairs), BATCH):
