@@ -363,7 +363,10 @@ def grouped(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
             groups.append([])
             parent.append(g)
         groups[g].append(pair)
-        f = first.setdefault(pair[0], g)
+        try:
+            f = first.setdefault(pair[0], g)
+        except TypeError:  # not a client id (a list, a dict): the statement refuses it, as without grouping
+            continue
         if f != g:
             a, b = root(f), root(g)
             if a != b:

@@ -421,6 +421,9 @@ def test_broker_sends_the_keys_that_share_clients_in_one_batch(db_url, connect):
         by_client = {(r[0], r[1]): r[2][0] for r in rows}
         for f in (False, True):
             assert by_client["a", f] == by_client["c", f] != by_client["b", f] == by_client["d", f]
+        # A client id that cannot be one (a list) is still refused by the statement, not by the grouping.
+        with pytest.raises(InvalidArgument, match="one-dimensional"):
+            broker.subscribe_many([(["a"], 1), (["a"], 2)], "initech.objects")
 
 
 def _first(iterator):
