@@ -341,8 +341,8 @@ def grouped(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
     order of each key's first pair.  bench_filters (100,000 filters, ten
     clients on each of 10,000 values, given client after client; the graph
     falls into 1,000 parts of ten clients and ten values) took 0.66x the
-    backend CPU grouped by key than in the order given, and 0.66-0.73x that
-    again grouped by part (two runs).  The parts cost Python about 15% more
+    backend CPU grouped by key than in the order given, and 0.63-0.73x that
+    again grouped by part (three runs).  The parts cost Python about 15% more
     than the keys alone (0.13 s per million pairs here).  Keys compare as
     Python sees them (``repr``): equal values written differently (``1``,
     ``1.0``) are only grouped less well.
