@@ -457,8 +457,8 @@ class Broker(_BrokerBase):
 
         As :meth:`subscribe_many` (``subscribe_filters``: one statement per
         batch, set-based, the pairs of one filter in one batch where they
-        fit, the filters that share clients together); returns how many subscriptions were new (a filter with ``in``
-        counts one per value).
+        fit, the filters that share clients together); returns how many
+        subscriptions were new (a filter with ``in`` counts one per value).
         """
         new = 0
         for batch in batches(grouped(subscriptions), batch_size):
