@@ -137,9 +137,10 @@ class AsyncBroker(_BrokerBase):
     subscribe, their ``_many`` forms, update_client, unregister,
     unsubscribe) run on up to this many connections of their own, opened on
     first use and fenced by the held epoch, so that a call that waits never
-    holds up the heartbeats or the delivery loop; 0 runs them on the broker
-    connection.  Rows (:meth:`read_rows`, ``notifications(rows=True)``) are
-    read on one more connection, and :meth:`notifications` listens on one.
+    holds up the heartbeats or the delivery loop (a bulk subscribe takes two,
+    for two batches at a time); 0 runs them on the broker connection.  Rows
+    (:meth:`read_rows`, ``notifications(rows=True)``) are read on one more
+    connection, and :meth:`notifications` listens on one.
 
     The connection must reach a real session (direct, or a pooler in session
     mode): the lease is a session-level advisory lock.
@@ -373,17 +374,20 @@ class AsyncBroker(_BrokerBase):
         where they fit, and the keys that share clients together (grouped:
         each set where its first pair came), so a key's interest is written
         once, not once per batch that has one of its clients, and a client is
-        locked by few batches.  Each batch commits on its own: when one fails
-        (:class:`UnknownClient`, a bad key; the message names the client, or
-        the key and its position in the batch), the batches before it are
-        kept.  ``wait`` is per batch, and never more than the guard has left
-        (see :meth:`subscribe`).
+        locked by few batches.  Two batches run at a time, on two registry
+        connections (``registry_connections`` of 2 or more): while one holds
+        the table's watch lock, the next gets ready.  Each batch commits on
+        its own: when one fails (:class:`UnknownClient`, a bad key; the
+        message names the client, or the key and its position in the batch),
+        no other starts, its error is raised, and the batches that committed
+        are kept (those before it, and perhaps the one that ran beside it).
+        ``wait`` is per batch, and never more than the guard has left (see
+        :meth:`subscribe`); a batch that found the table busy while the other
+        batch ran beside it runs again, alone, at the end (a writer left open
+        holds the call up to twice ``wait``).
         """
-        new = 0
-        for batch in batches(grouped(subscriptions), batch_size):
-            params = subscribe_params(self.name, table, batch, None)
-            new += int(await self._registry_scalar(SUBSCRIBE_MANY_SQL, params, wait=wait))
-        return new
+        params = (subscribe_params(self.name, table, b, None) for b in batches(grouped(subscriptions), batch_size))
+        return await self._subscribe_batches(SUBSCRIBE_MANY_SQL, params, wait=wait)
 
     async def update_client(self, client_id: str, info: Any) -> None:
         """Replace a registered client's info; :class:`UnknownClient` when it is not registered."""
@@ -470,14 +474,14 @@ class AsyncBroker(_BrokerBase):
 
         As :meth:`subscribe_many` (``subscribe_filters``: one statement per
         batch, set-based, the pairs of one filter in one batch where they
-        fit, the filters that share clients together); returns how many
-        subscriptions were new (a filter with ``in`` counts one per value).
+        fit, the filters that share clients together, two batches at a
+        time); returns how many subscriptions were new (a filter with ``in``
+        counts one per value).
         """
-        new = 0
-        for batch in batches(grouped(subscriptions), batch_size):
-            params = subscribe_filters_params(self.name, table, batch, None)
-            new += int(await self._registry_scalar(SUBSCRIBE_FILTERS_SQL, params, wait=wait))
-        return new
+        params = (
+            subscribe_filters_params(self.name, table, b, None) for b in batches(grouped(subscriptions), batch_size)
+        )
+        return await self._subscribe_batches(SUBSCRIBE_FILTERS_SQL, params, wait=wait)
 
     async def unsubscribe(
         self,
@@ -628,6 +632,84 @@ class AsyncBroker(_BrokerBase):
 
     def _client_lock(self, client_id: str) -> Any:
         return self._client_locks[zlib.crc32(client_id.encode()) % _CLIENT_LOCKS]
+
+    async def _subscribe_batches(self, query: str, params: Iterable[dict[str, Any]], *, wait: float) -> int:
+        """Run a bulk subscribe, one statement per batch (``params``), and return the sum of their counts.
+
+        Two batches at a time, on two registry connections (one at a time
+        with fewer).  The batches of a table take its watch lock in turn:
+        while one holds it (its inserts, its commit), the next expands its
+        filters and looks its clients up, which take no lock; a third would
+        only queue for it.  Broker.subscribe_filters of bench_filters' bulk
+        (100,000 filters, batches of 10,000; a 2-core machine, medians of 4):
+        1.50x the filters per second of one batch at a time, for 0.99x the
+        server's CPU; three at a time (raw connections): 0.97x two.
+
+        Each batch commits on its own.  Once one fails, no other starts, the
+        one beside it ends, and the error of the first failed batch (in the
+        call's order) is raised.  A batch that found the table busy
+        (:class:`TableBusy`) while another ran beside it may have waited for
+        that one rather than for a writer: it runs again, alone, after the
+        others (so a writer left open makes the call wait up to twice
+        ``wait``).
+        """
+        todo = iter(enumerate(params))
+        new = 0
+        if self.registry_connections < 2:
+            for _, batch in todo:
+                new += int(await self._registry_scalar(query, batch, wait=wait))
+            return new
+        lock = threading.Lock()  # the state below (in the threaded flavour, the workers are threads)
+        started = running = 0
+        failed: list[tuple[int, BaseException]] = []  # (batch number, its error)
+        again: list[tuple[int, dict[str, Any]]] = []  # batches to run once more, alone
+        stop = threading.Event()
+
+        async def worker() -> None:
+            nonlocal new, started, running
+            while True:
+                with lock:
+                    if failed or stop.is_set():
+                        return
+                    try:
+                        item = next(todo, None)
+                    except Exception as exc:  # a batch's parameters (batch_size < 1)
+                        failed.append((started, exc))
+                        return
+                    if item is None:
+                        return
+                    started += 1
+                    running += 1
+                    mine, alone = started, running == 1
+                try:
+                    count = int(await self._registry_scalar(query, item[1], wait=wait))
+                except Exception as exc:
+                    with lock:
+                        running -= 1
+                        if isinstance(exc, TableBusy) and not (alone and started == mine):
+                            again.append(item)
+                        else:
+                            failed.append((item[0], exc))
+                    continue
+                with lock:
+                    running -= 1
+                    new += count
+
+        if True:  # ASYNC
+            await asyncio.gather(worker(), worker())
+        else:
+            other = threading.Thread(target=worker, name=f"pgbroker-subscribe-{self.name}", daemon=True)
+            other.start()
+            try:
+                worker()
+            finally:
+                stop.set()
+                other.join()
+        if failed:
+            raise min(failed, key=lambda f: f[0])[1]
+        for _, batch in sorted(again, key=lambda a: a[0]):
+            new += int(await self._registry_scalar(query, batch, wait=wait))
+        return new
 
     async def _registry_scalar(self, query: str, params: dict[str, Any], *, wait: Any = None) -> Any:
         """Run one registry statement (see above) and return its scalar; ``wait`` (seconds) for the table lock."""

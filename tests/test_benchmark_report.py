@@ -415,7 +415,7 @@ def test_filters_section_gives_the_targets_no_match_by_size_bulk_and_latency(rep
     assert "| filtered / plain, the median of the rounds' | 0.95x | 1.05x |" in text
     assert "| k | pgbroker, 1,000 | pgbroker, 10,000 | pgbroker, 100,000 | pgbroker, 100,000 / 1,000 |" in text
     assert "| 100 | 200 us | 210 us | 320 us | 1.60x | 300 us | 2,500 us | 25,000 us |" in text
-    assert "in batches of 10,000 grouped by filter and by the clients the filters share" in text
+    assert "batches of 10,000 grouped by filter and by the clients the filters share, two at a time" in text
     assert "80,000 filters/s" in text
     assert '(`{"team": 7}`)' in text
     assert "| row moving out | 2,000 | 1.75 ms | 12.50 ms | 30.00 ms |" in text

@@ -27,7 +27,7 @@ from psycopg.types.json import Jsonb
 from test_fanout_bad_input import SUBSCRIBE_CASES, error_of
 from test_fanout_bad_input import broker as broker  # noqa: F401  (the fixture)
 
-from pgbroker import AsyncBroker, Broker, InvalidArgument, UnknownClient
+from pgbroker import AsyncBroker, Broker, InvalidArgument, TableBusy, UnknownClient
 
 REGISTER_MANY = "SELECT pgbroker.client_register_many(%s::text[], %s::jsonb[], name => %s, epoch => %s)"
 SUBSCRIBE_MANY = "SELECT pgbroker.subscribe_many(%s::text[], %s::regclass, %s::jsonb[], name => %s, epoch => %s)"
@@ -424,6 +424,113 @@ def test_broker_sends_the_keys_that_share_clients_in_one_batch(db_url, connect):
         # A client id that cannot be one (a list) is still refused by the statement, not by the grouping.
         with pytest.raises(InvalidArgument, match="one-dimensional"):
             broker.subscribe_many([(["a"], 1), (["a"], 2)], "initech.objects")
+
+
+def _waiting_for_the_watch_lock(admin, application: str) -> int:
+    return count(admin, """SELECT count(*) FROM pg_stat_activity
+                            WHERE application_name = %s AND wait_event_type = 'Lock' AND wait_event = 'advisory'""",
+                 (application,))  # fmt: skip
+
+
+@pytest.mark.parametrize("flavour", ["threads", "asyncio"])
+def test_broker_runs_two_batches_of_a_bulk_subscribe_at_once(db_url, connect, flavour):
+    """The batches of subscribe_many and subscribe_filters run two at a time, on two registry connections: while
+    one holds the table's watch lock, the next gets ready.  Seen here as two of the broker's sessions waiting for
+    the lock of a writer left open; with one registry connection, one."""
+    admin = connect("admin")
+    seed_objects(admin, range(1, 9))
+    with Broker(db_url, "shape") as first:  # the filters' shape, known before (a new one waits for the writers)
+        first.register("z")
+        first.subscribe("z", "initech.objects", filter={"kind": "k0"})
+    writer = connect_in_gate(connect, 15, "open writer", autocommit=False)
+    pairs = [(c, k) for c in "abcd" for k in range(1, 9)]
+    filters = [(c, {"kind": f"k{k}"}) for c in "abcd" for k in range(1, 9)]
+
+    def run(connections: int, method: str) -> int:
+        """The call (the default guard: its waits are not cut), its 4 batches held up by the open writer until two
+        (or one) of them wait for it."""
+        application = f"bulk{connections}{method[-4:]}"
+        items = pairs if method == "subscribe_many" else filters
+        result: list = []
+
+        def call() -> None:
+            if flavour == "threads":
+                with Broker(db_url, application, application_name=application,
+                            registry_connections=connections) as broker:  # fmt: skip
+                    broker.register_many(list("abcd"))
+                    result.append(getattr(broker, method)(items, "initech.objects", batch_size=8, wait=30))
+                return
+
+            async def main() -> int:
+                async with AsyncBroker(db_url, application, application_name=application,
+                                       registry_connections=connections) as broker:  # fmt: skip
+                    await broker.register_many(list("abcd"))
+                    return await getattr(broker, method)(items, "initech.objects", batch_size=8, wait=30)
+
+            result.append(asyncio.run(main()))
+
+        writer.execute("UPDATE initech.objects SET name = 'open' WHERE id = 1")  # past its trigger, left open
+        thread = threading.Thread(target=call)
+        thread.start()
+        wait_until(lambda: _waiting_for_the_watch_lock(admin, application) == min(connections, 2),
+                   what=f"{min(connections, 2)} batches waiting for the writer")  # fmt: skip
+        time.sleep(0.2)  # and no more
+        assert _waiting_for_the_watch_lock(admin, application) == min(connections, 2)
+        writer.commit()
+        thread.join(30)
+        assert not thread.is_alive()
+        return result[0]
+
+    assert run(4, "subscribe_many") == 32
+    assert run(4, "subscribe_filters") == 32
+    assert run(1, "subscribe_filters") == 32
+    subscribed = (
+        "SELECT count(*) FROM pgbroker.subscription JOIN pgbroker.client USING (client_key) WHERE name LIKE 'bulk%'"
+    )
+    assert count(admin, subscribed) == 96
+
+
+def test_a_bulk_batch_that_waited_for_the_other_one_runs_again_alone(db_url, connect):
+    """Two batches at once: the one that waits for the other's watch lock may see its wait run out (TableBusy)
+    with no writer to blame; it runs again, alone, after the others.  A writer left open is still TableBusy, and
+    nothing of the call is kept then."""
+    admin = connect("admin")
+    seed_objects(admin, range(1, 9))
+    # Each batch holds the watch lock 0.6 s (its inserts, slowed), longer than the other's wait of 0.3 s.
+    admin.execute("""CREATE FUNCTION public.slow_batch() RETURNS trigger LANGUAGE plpgsql AS
+                     $$BEGIN PERFORM pg_sleep(0.6); RETURN NULL; END$$""")  # fmt: skip
+    admin.execute("""CREATE TRIGGER slow AFTER INSERT ON pgbroker.subscription
+                     FOR EACH STATEMENT EXECUTE FUNCTION public.slow_batch()""")  # fmt: skip
+    with Broker(db_url, "again") as broker:  # (the default guard: waits of 0.3 s, not less)
+        broker.register_many(list("abcd"))
+        filters = [(c, {"kind": f"k{k}"}) for c in "abcd" for k in range(1, 5)]
+        assert broker.subscribe_filters(filters, "initech.objects", batch_size=8, wait=0.3) == 16
+        admin.execute("DROP TRIGGER slow ON pgbroker.subscription")
+        writer = connect_in_gate(connect, 15, "open writer", autocommit=False)
+        writer.execute("UPDATE initech.objects SET name = 'open' WHERE id = 1")
+        started = time.monotonic()
+        with pytest.raises(TableBusy):
+            broker.subscribe_many([(c, k) for c in "abcd" for k in range(1, 5)], "initech.objects", batch_size=8,
+                                  wait=0.3)  # fmt: skip
+        assert time.monotonic() - started < 5
+        writer.rollback()
+    assert count(admin, "SELECT count(*) FROM pgbroker.subscription") == 16
+
+
+def test_a_failed_bulk_batch_raises_its_error_and_stops_the_call(db_url, connect):
+    """Once a batch fails, no batch starts; the error raised is the first failed batch's, in the call's order."""
+    admin = connect("admin")
+    seed_objects(admin, range(1, 9))
+    with Broker(db_url, "stop", heartbeat_interval=0.2) as broker:
+        broker.register_many(list("abc"))
+        # Four batches of one filter's pairs: the second's filter names no column of the table, the third's
+        # client is not registered.
+        filters = [("a", {"kind": "x"}), ("b", {"nope": 1}), ("nobody", {"kind": "y"}), ("c", {"kind": "z"})]
+        with pytest.raises(InvalidArgument, match="nope"):
+            broker.subscribe_filters(filters, "initech.objects", batch_size=1)
+        rows = admin.execute("SELECT client_id FROM pgbroker.subscriptions WHERE name = 'stop'").fetchall()
+        # The first batch ran beside the second; the fourth never started (the third may have, and failed).
+        assert rows == [("a",)]
 
 
 def _first(iterator):

@@ -872,10 +872,10 @@ def filters_markdown(data: dict[str, Any]) -> str:
     bulk = a["bulk"]
     out += [
         "",
-        f"Bulk: `subscribe_filters` of {bulk['filters']:,} filters (ten clients on each value, given client after"
-        f" client, {bulk['filters'] // 100:,} sets of ten clients sharing ten values) in batches of"
-        f" {s.get('batch', 10_000):,} grouped by filter and by the clients the filters share, as"
-        f" `Broker.subscribe_filters` sends them, the clients registered first: {bulk['s']:.2f} s,"
+        f"Bulk: `Broker.subscribe_filters` of {bulk['filters']:,} filters (ten clients on each value, given client"
+        f" after client, {bulk['filters'] // 100:,} sets of ten clients sharing ten values), its defaults: batches"
+        f" of {s.get('batch', 10_000):,} grouped by filter and by the clients the filters share, two at a time on"
+        f" two registry connections, the clients registered first: {bulk['s']:.2f} s,"
         f" {bulk['filters_per_s']:,.0f} filters/s.",
     ]
     lat = data.get("latency")
