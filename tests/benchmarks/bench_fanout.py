@@ -60,6 +60,16 @@ alternately with it:
    outbox's, its indexes' and its sequence's are written by every writer.
    Target: row mode's lock-manager operations on shared tags at most the
    prototype's.
+7. Only with --only fetch (about 2 minutes): the consumer's half of part 1's
+   CPU per transaction.  A broker of its own (lease fetchbench, 1,000 clients,
+   10 subscribers per row of a table watched in row mode) fetches batches of 6
+   and of 20 rows (what part 1's batches held at 1 and at 8 writers), each
+   acknowledging the one before, beside the transactional outbox's consumer
+   (its DELETE ... RETURNING on a copy of peer c), the bare acknowledging
+   statement (outbox_fetch's last statement alone: no fence, no checks) and
+   that statement in a function made as outbox_fetch is (PL/pgSQL, SECURITY
+   DEFINER, the same pinned settings), in alternating rounds: the backend's
+   CPU per fetch, the loop's (psycopg), and an empty fetch's.  Diagnostic only.
 
 The broker is a thread holding the lease on its own connection.  Its loop is
 plain psycopg calls to the SQL API: broker_wake(); outbox_fetch(max 1000, ack =>
@@ -118,8 +128,8 @@ LATENCY_P99_TARGET_MS = 10.0
 SCALE_TARGET = 1.2  # "about 1x": the large set-up may cost at most this much more
 
 
-PARTS = ("throughput", "bulk", "huge", "latency", "scale", "guarantees", "shared")
-OPT_IN = ("guarantees", "shared")  # parts run only when named
+PARTS = ("throughput", "bulk", "huge", "latency", "scale", "guarantees", "shared", "fetch")
+OPT_IN = ("guarantees", "shared", "fetch")  # parts run only when named
 
 
 @dataclass
@@ -1544,6 +1554,169 @@ def bench_shared(url: str, conn: psycopg.Connection, broker: DrainingBroker, res
 
 
 # ---------------------------------------------------------------------------
+# 7. What the broker pays per fetch (issue 44): the consumer's half of part 1's CPU per transaction.
+
+FETCH_LEASE = "fetchbench"
+FETCH_SIZES = (6, 20)  # rows per fetch: what the broker's batches held in part 1, at 1 and at 8 writers
+FETCH_CALLS = 600  # fetches per variant and round
+FETCH_ROUNDS = 5
+# The least an acknowledging fetch of these rows does: the previous batch deleted by id, the next one read, in one
+# statement, as outbox_fetch's last statement does, without the holder's fence, the checks for rows awaiting their
+# clients, departed clients and name grants, the floor's upkeep and the table's name.
+BARE_FETCH = (
+    "WITH acked AS (DELETE FROM pgbroker.outbox b WHERE b.name = %(name)s AND b.epoch = %(epoch)s"
+    " AND b.id = ANY (%(ack)s::bigint[]))"
+    " SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.clients, o.at, o.left_clients FROM pgbroker.outbox o"
+    " WHERE o.name = %(name)s AND o.epoch = %(epoch)s AND o.id > %(floor)s"
+    " AND (%(ack)s::bigint[] IS NULL OR o.id <> ALL (%(ack)s::bigint[])) ORDER BY o.id LIMIT 1000"
+)
+
+
+# The same statement in a function made as outbox_fetch is (PL/pgSQL, SECURITY DEFINER, its pinned settings):
+# what being a function costs, apart from what outbox_fetch checks.
+WRAPPED_FETCH = """
+    CREATE FUNCTION bench.bare_fetch(p_name text, p_epoch bigint, p_ack bigint[], p_floor bigint)
+    RETURNS TABLE (id bigint, watch_id integer, op "char", row_key jsonb, changed text[], clients text[],
+                   at timestamptz, left_clients text[])
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan
+    SET enable_seqscan = off SET enable_bitmapscan = off
+    AS $$
+    BEGIN
+        RETURN QUERY
+        WITH acked AS (DELETE FROM pgbroker.outbox b WHERE b.name = p_name AND b.epoch = p_epoch AND b.id = ANY (p_ack))
+        SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.clients, o.at, o.left_clients FROM pgbroker.outbox o
+         WHERE o.name = p_name AND o.epoch = p_epoch AND o.id > p_floor AND (p_ack IS NULL OR o.id <> ALL (p_ack))
+         ORDER BY o.id LIMIT 1000;
+    END
+    $$"""
+
+
+def _backend_cpu_ns(pid: int) -> int:
+    """Nanoseconds on CPU of process PID (the scheduler's count: finer than /proc/PID/stat's ticks)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
+def _fetch(variant: str, session: psycopg.Connection, ack: list[int] | None, floor: int, epoch: int,
+           peer_sql: str) -> list[tuple[Any, ...]]:  # fmt: skip
+    """One fetch of VARIANT (pgbroker, wrapped, bare or peer) on SESSION, acknowledging ACK (the peer deletes the
+    rows it reads)."""
+    if variant == "pgbroker":
+        return session.execute("SELECT * FROM pgbroker.outbox_fetch(%s, 1000, %s)", (FETCH_LEASE, ack)).fetchall()
+    if variant == "bare":
+        args = {"name": FETCH_LEASE, "epoch": epoch, "ack": ack, "floor": floor}
+        return session.execute(BARE_FETCH, args, prepare=True).fetchall()
+    if variant == "wrapped":
+        return session.execute(
+            "SELECT * FROM bench.bare_fetch(%s, %s, %s, %s)", (FETCH_LEASE, epoch, ack, floor), prepare=True
+        ).fetchall()
+    return session.execute(peer_sql, prepare=True).fetchall()
+
+
+def bench_fetch(url: str, conn: psycopg.Connection, results: Results) -> None:
+    print("7. what the broker pays per fetch: outbox_fetch against the outbox peer's consumer", flush=True)
+    conn.execute("CREATE SCHEMA IF NOT EXISTS bench")
+    make_table(conn, "bench.fetch_row", 1000)
+    make_table(conn, "bench.fetch_peer", 1000)
+    conn.execute("SELECT pgbroker.watch('bench.fetch_row', mode => 'row')")
+    conn.execute(OutboxConsumer.setup.replace("peer_c", "fetch_peer"))
+    conn.execute(WRAPPED_FETCH)
+    peer_sql = OutboxConsumer.fetch_sql.replace("peer_c", "fetch_peer")
+    with (
+        psycopg.connect(url, autocommit=True) as ours,
+        psycopg.connect(url, autocommit=True) as peer,
+        psycopg.connect(url, autocommit=True) as writer,
+    ):
+        writer.execute("SET synchronous_commit = off")  # the writes only fill the outboxes: no flush to wait for
+        for setting in ("plan_cache_mode = force_generic_plan", "enable_seqscan = off", "enable_bitmapscan = off"):
+            ours.execute(f"SET {setting}")  # the bare statement planned as outbox_fetch's statements are
+        epoch = ours.execute("SELECT pgbroker.broker_claim(%s)", (FETCH_LEASE,)).fetchone()[0]
+        register_clients(conn, FETCH_LEASE, epoch, "f", 0, 999)
+        n, _ = subscribe_all(
+            conn, FETCH_LEASE, epoch, "bench.fetch_row",
+            "SELECT 'f' || k, mod(k * 10 + j, 1000) + 1 FROM generate_series(%s::int, %s::int) k,"
+            " generate_series(0, 9) j",
+            [(0, 999)],
+        )  # fmt: skip
+        assert n == 10_000, n
+        ours.execute("SELECT pgbroker.broker_wake(%s)", (FETCH_LEASE,))
+        conn.execute("VACUUM ANALYZE bench.fetch_row, bench.fetch_peer, pgbroker.outbox")
+        rng = random.Random(7)
+        variants = ("pgbroker", "wrapped", "bare", "peer")
+        for size in FETCH_SIZES:
+            backend: dict[str, list[float]] = {v: [] for v in variants}  # us per fetch
+            loop: dict[str, list[float]] = {v: [] for v in variants}
+            empty: dict[str, list[float]] = {v: [] for v in variants}
+            for r in range(FETCH_ROUNDS):
+                for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                    session, table = (peer, "bench.fetch_peer") if variant == "peer" else (ours, "bench.fetch_row")
+                    vacuum(conn, "pgbroker.outbox", "bench.fetch_peer_outbox")  # as part 1 does before each run
+                    pid = session.info.backend_pid
+                    floor = conn.execute("SELECT pg_sequence_last_value('pgbroker.outbox_id_seq')").fetchone()[0] or 0
+
+                    done: list[int] | None = None
+                    cpu_ns = loop_s = 0.0
+                    for _ in range(FETCH_CALLS):
+                        for _ in range(size):
+                            writer.execute(f"UPDATE {table} SET val = val + 1 WHERE id = %s", (rng.randint(1, 1000),),
+                                           prepare=True)  # fmt: skip
+                        c0, t0 = _backend_cpu_ns(pid), time.thread_time()
+                        rows = _fetch(variant, session, done, floor, epoch, peer_sql)
+                        loop_s += time.thread_time() - t0
+                        cpu_ns += _backend_cpu_ns(pid) - c0
+                        assert len(rows) == size, (variant, len(rows))
+                        if variant != "peer":
+                            if done:
+                                floor = min(done) - 1
+                            done = [row[0] for row in rows]
+                    _fetch(variant, session, done, floor, epoch, peer_sql)  # the last batch's acknowledgement
+                    backend[variant].append(cpu_ns / FETCH_CALLS / 1e3)
+                    loop[variant].append(loop_s / FETCH_CALLS * 1e6)
+                    c0 = _backend_cpu_ns(pid)
+                    for _ in range(FETCH_CALLS):
+                        assert not _fetch(variant, session, None, floor, epoch, peer_sql)
+                    empty[variant].append((_backend_cpu_ns(pid) - c0) / FETCH_CALLS / 1e3)
+            med = {v: statistics.median(backend[v]) for v in variants}
+            med_loop = {v: statistics.median(loop[v]) for v in variants}
+            med_empty = {v: statistics.median(empty[v]) for v in variants}
+            for variant, label in (("pgbroker", "pgbroker.outbox_fetch (acknowledges by id, fenced, checked)"),
+                                   ("wrapped", "the bare statement in a function made as outbox_fetch is"),
+                                   ("bare", "the bare acknowledging statement (no fence, no checks)")):  # fmt: skip
+                results.add(
+                    f"fetch of {size} rows, backend CPU: {label}",
+                    f"{med[variant]:,.0f} us",
+                    f"{med['peer']:,.0f} us",
+                    f"{med[variant] / med['peer']:.2f}x",
+                    "(info: vs the outbox peer's DELETE ... RETURNING)",
+                )
+            results.add(
+                f"  fetch of {size} rows, the consumer loop's CPU (psycopg, Python)",
+                f"{med_loop['pgbroker']:,.0f} us",
+                f"{med_loop['peer']:,.0f} us",
+                f"{med_loop['pgbroker'] / med_loop['peer']:.2f}x",
+                "(info)",
+            )
+            results.add(
+                f"  empty fetch, backend CPU (size {size} rounds)",
+                f"{med_empty['pgbroker']:,.0f} us",
+                f"{med_empty['peer']:,.0f} us",
+                f"{med_empty['pgbroker'] / med_empty['peer']:.2f}x",
+                f"(info: wrapped {med_empty['wrapped']:,.0f} us, bare {med_empty['bare']:,.0f} us)",
+            )
+            extra = (med["pgbroker"] + med_loop["pgbroker"] - med["peer"] - med_loop["peer"]) / size
+            results.figures[f"fetch_extra_us_per_row_{size}"] = extra
+            results.note(
+                f"fetch, {size} rows a fetch: the broker's backend and loop cost {extra:,.1f} us per delivered row more"
+                f" than the outbox peer's consumer (of which the bare acknowledging statement"
+                f" {(med['bare'] - med['peer']) / size:,.1f} us); per round, backend us per fetch: "
+                + "; ".join(f"{v} {', '.join(f'{x:,.0f}' for x in backend[v])}" for v in variants)
+                + "; loop us per fetch: "
+                + "; ".join(f"{v} {', '.join(f'{x:,.0f}' for x in loop[v])}" for v in variants)
+            )
+        ours.execute("SELECT pgbroker.broker_release(%s)", (FETCH_LEASE,))
+
+
+# ---------------------------------------------------------------------------
 # Plans of the generated trigger functions' queries (--explain).
 
 
@@ -1680,6 +1853,8 @@ def run(cfg: Settings) -> Results:
             try:
                 if cfg.runs("shared"):  # first, while no other consumer reads (pg_statio counts every session)
                     bench_shared(url, conn, broker, results)
+                if cfg.runs("fetch"):  # before the other consumers poll
+                    bench_fetch(url, conn, results)
             except BaseException:
                 broker.stop()
                 raise
