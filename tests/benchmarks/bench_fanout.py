@@ -1562,19 +1562,17 @@ FETCH_CALLS = 600  # fetches per variant and round
 FETCH_ROUNDS = 5
 # The least an acknowledging fetch of these rows does: the previous batch deleted by id, the next one read, in one
 # statement, as outbox_fetch's last statement does, without the holder's fence, the checks for rows awaiting their
-# clients, departed clients and name grants, the floor's upkeep and the table's name.
-BARE_FETCH = (
-    "WITH acked AS (DELETE FROM pgbroker.outbox b WHERE b.name = %(name)s AND b.epoch = %(epoch)s"
-    " AND b.id = ANY (%(ack)s::bigint[]))"
-    " SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.clients, o.at, o.left_clients FROM pgbroker.outbox o"
-    " WHERE o.name = %(name)s AND o.epoch = %(epoch)s AND o.id > %(floor)s"
-    " AND (%(ack)s::bigint[] IS NULL OR o.id <> ALL (%(ack)s::bigint[])) ORDER BY o.id LIMIT 1000"
-)
-
-
-# The same statement in a function made as outbox_fetch is (PL/pgSQL, SECURITY DEFINER, its pinned settings):
+# clients, departed clients and name grants, the floor's upkeep and the table's name.  Sent as it is ("bare"), and
+# in a function made as outbox_fetch is ("wrapped": PL/pgSQL, SECURITY DEFINER, its pinned settings), which shows
 # what being a function costs, apart from what outbox_fetch checks.
-WRAPPED_FETCH = """
+_ACK_AND_READ = (
+    "WITH acked AS (DELETE FROM pgbroker.outbox b WHERE b.name = {name} AND b.epoch = {epoch} AND b.id = ANY ({ack}))"
+    " SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.clients, o.at, o.left_clients FROM pgbroker.outbox o"
+    " WHERE o.name = {name} AND o.epoch = {epoch} AND o.id > {floor} AND ({ack} IS NULL OR o.id <> ALL ({ack}))"
+    " ORDER BY o.id LIMIT 1000"
+)
+BARE_FETCH = _ACK_AND_READ.format(name="%(name)s", epoch="%(epoch)s", ack="%(ack)s::bigint[]", floor="%(floor)s")
+WRAPPED_FETCH = f"""
     CREATE FUNCTION bench.bare_fetch(p_name text, p_epoch bigint, p_ack bigint[], p_floor bigint)
     RETURNS TABLE (id bigint, watch_id integer, op "char", row_key jsonb, changed text[], clients text[],
                    at timestamptz, left_clients text[])
@@ -1583,11 +1581,7 @@ WRAPPED_FETCH = """
     SET enable_seqscan = off SET enable_bitmapscan = off
     AS $$
     BEGIN
-        RETURN QUERY
-        WITH acked AS (DELETE FROM pgbroker.outbox b WHERE b.name = p_name AND b.epoch = p_epoch AND b.id = ANY (p_ack))
-        SELECT o.id, o.watch_id, o.op, o.row_key, o.changed, o.clients, o.at, o.left_clients FROM pgbroker.outbox o
-         WHERE o.name = p_name AND o.epoch = p_epoch AND o.id > p_floor AND (p_ack IS NULL OR o.id <> ALL (p_ack))
-         ORDER BY o.id LIMIT 1000;
+        RETURN QUERY {_ACK_AND_READ.format(name="p_name", epoch="p_epoch", ack="p_ack", floor="p_floor")};
     END
     $$"""
 
@@ -1615,7 +1609,6 @@ def _fetch(variant: str, session: psycopg.Connection, ack: list[int] | None, flo
 
 def bench_fetch(url: str, conn: psycopg.Connection, results: Results) -> None:
     print("7. what the broker pays per fetch: outbox_fetch against the outbox peer's consumer", flush=True)
-    conn.execute("CREATE SCHEMA IF NOT EXISTS bench")
     make_table(conn, "bench.fetch_row", 1000)
     make_table(conn, "bench.fetch_peer", 1000)
     conn.execute("SELECT pgbroker.watch('bench.fetch_row', mode => 'row')")
@@ -1707,8 +1700,9 @@ def bench_fetch(url: str, conn: psycopg.Connection, results: Results) -> None:
             results.figures[f"fetch_extra_us_per_row_{size}"] = extra
             results.note(
                 f"fetch, {size} rows a fetch: the broker's backend and loop cost {extra:,.1f} us per delivered row more"
-                f" than the outbox peer's consumer (of which the bare acknowledging statement"
-                f" {(med['bare'] - med['peer']) / size:,.1f} us); per round, backend us per fetch: "
+                f" than the outbox peer's consumer; the bare acknowledging statement's backend"
+                f" {(med['bare'] - med['peer']) / size:,.1f} us per row more than the peer's; per round, backend us per"
+                " fetch: "
                 + "; ".join(f"{v} {', '.join(f'{x:,.0f}' for x in backend[v])}" for v in variants)
                 + "; loop us per fetch: "
                 + "; ".join(f"{v} {', '.join(f'{x:,.0f}' for x in loop[v])}" for v in variants)
